@@ -1,0 +1,65 @@
+"""The `omlx` command: `check` validates a config, `serve` runs the appliance."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from appliance.config import ConfigError, dump_toml, load_spec
+
+DEFAULT_CONFIG = "omlx.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns the process exit status of one `omlx` invocation."""
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omlx", description="A declarative LLM inference appliance on MLX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="validate a config and print the resolved spec as TOML")
+    check.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
+    check.set_defaults(run=run_check)
+
+    serve = sub.add_parser("serve", help="serve the models of a config over HTTP")
+    serve.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
+    serve.set_defaults(run=run_serve)
+    return p
+
+
+def run_check(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_spec(args.config)
+    except ConfigError as e:
+        print_errors(e, args.config)
+        return 1
+    sys.stdout.write(dump_toml(loaded.spec))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from appliance import platform
+
+    platform.ensure_blas_preloaded()  # may re-exec this process with OpenBLAS preloaded
+    try:
+        loaded = load_spec(args.config)
+    except ConfigError as e:
+        print_errors(e, args.config)
+        return 1
+    from appliance.server.runner import serve
+
+    return serve(loaded)
+
+
+def print_errors(error: ConfigError, config: str | Path) -> None:
+    print(f"omlx: {config}: {len(error.issues)} error(s)", file=sys.stderr)
+    for issue in error.issues:
+        print(f"  {issue}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The spec: what `omlx.toml` declares, frozen and validated.
+
+Every section is a frozen pydantic model that forbids unknown keys; derived values are
+properties, never written back. The loader (`appliance.config`) layers profiles and
+environment variables underneath and on top before validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GIB = 2**30
+
+KernelChoice = Literal["auto", "generic", "native"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSpec(Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    # Seconds a shutdown waits for running requests before cutting them off.
+    drain_timeout_s: float = Field(10.0, ge=0)
+
+
+class ModelSpec(Frozen):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    source: str = Field(min_length=1)
+    default: bool = False
+    # "auto": float32 on CPU (fastest there with OpenBLAS), the checkpoint's own dtype on GPUs.
+    dtype: DType = "auto"
+    # None: the model's own limit (max_position_embeddings).
+    max_context_tokens: int | None = Field(None, ge=16)
+    # Default for requests that name no max_tokens.
+    default_max_tokens: int = Field(512, ge=1)
+
+
+class CacheSpec(Frozen):
+    dir: str = "~/.omlx/cache"
+    block_tokens: int = Field(256, ge=16, le=8192)
+    memory_gb: float = Field(2.0, ge=0)
+    host_gb: float = Field(4.0, ge=0)
+    ssd_gb: float = Field(50.0, ge=0)
+
+    def path(self, base_dir: Path) -> Path:
+        """Returns the cache directory; a relative `dir` is relative to the config file."""
+        return (base_dir / Path(self.dir).expanduser()).resolve()
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * GIB)
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.host_gb * GIB)
+
+    @property
+    def ssd_bytes(self) -> int:
+        return int(self.ssd_gb * GIB)
+
+
+class BatchingSpec(Frozen):
+    max_running: int = Field(8, ge=1, le=1024)
+    max_queued: int = Field(64, ge=0, le=100_000)
+    prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
+
+
+class KernelsSpec(Frozen):
+    """One key per kernel: `native` (CUDA/Metal), `generic` (plain MLX) or `auto`."""
+
+    attention: KernelChoice = "auto"
+    rms_norm: KernelChoice = "auto"
+
+
+class Spec(BaseSettings):
+    """The whole appliance, as declared. Build it with `appliance.config.load_spec`."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix="OMLX_",
+        env_nested_delimiter="__",
+        nested_model_default_partial_update=True,
+    )
+
+    profile: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    server: ServerSpec = ServerSpec()
+    models: tuple[ModelSpec, ...] = Field(min_length=1)
+    cache: CacheSpec = CacheSpec()
+    batching: BatchingSpec = BatchingSpec()
+    kernels: KernelsSpec = KernelsSpec()
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_):
+        # OMLX_<SECTION>__<KEY> wins over the file, which wins over its profile.
+        return (env_settings, init_settings)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+        names = [m.name for m in models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        return models
+
+    @model_validator(mode="after")
+    def _one_default(self) -> Spec:
+        defaults = [m.name for m in self.models if m.default]
+        if len(self.models) > 1 and len(defaults) != 1:
+            found = ", ".join(defaults) if defaults else "none"
+            raise ValueError(
+                f"exactly one model must have default = true when there are several (found: {found})"
+            )
+        if len(defaults) > 1:
+            raise ValueError("only one model can be the default")
+        return self
+
+    @property
+    def default_model(self) -> ModelSpec:
+        return next((m for m in self.models if m.default), self.models[0])
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def to_data(self) -> dict:
+        """Returns the spec as plain TOML/JSON-ready data (None values dropped)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    @property
+    def hash(self) -> str:
+        data = orjson.dumps(self.to_data(), option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(data).hexdigest()[:16]
