@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import tomli_w
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from appliance.spec import Spec
 
@@ -65,6 +67,10 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError([ConfigIssue("", f"{path}: no such file")], file=path) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([ConfigIssue("", f"{path}: TOML syntax error: {e}")], file=path) from None
+    except UnicodeDecodeError as e:
+        # tomllib decodes before parsing; a file cut mid-character fails here, not as TOML.
+        raise ConfigError([ConfigIssue("", f"{path}: not UTF-8 text: {e.reason} at byte {e.start}")],
+                          file=path) from None
     except OSError as e:
         raise ConfigError([ConfigIssue("", f"{path}: cannot read: {e.strerror}")], file=path) from None
 
@@ -110,10 +116,17 @@ def load_spec(path: Path | str) -> LoadedConfig:
                               file=profile_path)
         data = deep_merge(layer, data)
         files.append(profile_path)
+    # Keys starting with "_" would reach BaseSettings' own init options, not the spec.
+    hidden = [ConfigIssue(key, "unknown key") for key in data if key.startswith("_")]
+    if hidden:
+        raise ConfigError(hidden, file=path)
     try:
         spec = Spec(**data)
     except ValidationError as e:
         raise ConfigError(issues_of(e), file=path) from None
+    except SettingsError as e:
+        # A malformed OMLX_* value (OMLX_SERVER='{') fails while reading the environment.
+        raise ConfigError([env_issue(e)], file=path) from None
     return LoadedConfig(spec=spec, path=path, files=tuple(files))
 
 
@@ -121,7 +134,8 @@ def issues_of(error: ValidationError) -> list[ConfigIssue]:
     """Returns one ConfigIssue per pydantic error, worded for people editing TOML."""
     issues = []
     for err in error.errors():
-        path = toml_path(err["loc"])
+        # A model-level error has no location; its ctx carries the TOML path it is about.
+        path = toml_path(err["loc"]) or err.get("ctx", {}).get("path", "")
         kind = err["type"]
         if kind == "extra_forbidden":
             message = "unknown key"
@@ -133,6 +147,13 @@ def issues_of(error: ValidationError) -> list[ConfigIssue]:
                 message += f" (got {err['input']!r})"
         issues.append(ConfigIssue(path, message))
     return issues
+
+
+def env_issue(error: SettingsError) -> ConfigIssue:
+    """Returns the ConfigIssue of an environment value pydantic-settings could not parse."""
+    field = re.search(r'field "([^"]+)"', str(error))
+    cause = error.__cause__ or error
+    return ConfigIssue(field.group(1) if field else "", f"bad OMLX_ environment value: {cause}")
 
 
 def toml_path(loc: tuple) -> str:

@@ -13,6 +13,7 @@ from typing import Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 2**30
@@ -94,7 +95,7 @@ class Spec(BaseSettings):
 
     profile: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     server: ServerSpec = ServerSpec()
-    models: tuple[ModelSpec, ...] = Field(min_length=1)
+    models: tuple[ModelSpec, ...]
     cache: CacheSpec = CacheSpec()
     batching: BatchingSpec = BatchingSpec()
     kernels: KernelsSpec = KernelsSpec()
@@ -107,6 +108,10 @@ class Spec(BaseSettings):
     @field_validator("models")
     @classmethod
     def _unique_names(cls, models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+        # Not Field(min_length=1): pydantic counts only the valid items, so one bad model
+        # would also be reported as "models: should have at least 1 item, not 0".
+        if not models:
+            raise ValueError("at least one [[models]] table is required")
         names = [m.name for m in models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -118,11 +123,12 @@ class Spec(BaseSettings):
         defaults = [m.name for m in self.models if m.default]
         if len(self.models) > 1 and len(defaults) != 1:
             found = ", ".join(defaults) if defaults else "none"
-            raise ValueError(
-                f"exactly one model must have default = true when there are several (found: {found})"
+            # A model-level error has no location of its own; ctx["path"] names it for TOML.
+            raise PydanticCustomError(
+                "one_default",
+                "exactly one model must have default = true when there are several (found: {found})",
+                {"found": found, "path": "models"},
             )
-        if len(defaults) > 1:
-            raise ValueError("only one model can be the default")
         return self
 
     @property

@@ -1,0 +1,190 @@
+"""appliance/spec.py: defaults, validators, frozen sections and derived properties."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.spec import GIB, BatchingSpec, CacheSpec, KernelsSpec, ServerSpec, Spec
+
+ONE_MODEL = [{"name": "tiny", "source": "tiny.gguf"}]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    """No OMLX_* variable or home directory of the machine running the tests leaks in."""
+    for key in list(os.environ):
+        if key.upper().startswith("OMLX_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def error_locs(excinfo: pytest.ExceptionInfo[ValidationError]) -> set[tuple]:
+    return {tuple(e["loc"]) for e in excinfo.value.errors()}
+
+
+def test_defaults_of_every_section():
+    spec = Spec(models=ONE_MODEL)
+    assert spec.profile is None
+    assert spec.server == ServerSpec(host="127.0.0.1", port=8000, drain_timeout_s=10.0)
+    assert spec.cache == CacheSpec(dir="~/.omlx/cache", block_tokens=256, memory_gb=2.0,
+                                   host_gb=4.0, ssd_gb=50.0)
+    assert spec.batching == BatchingSpec(max_running=8, max_queued=64, prefill_chunk_tokens=512)
+    assert spec.kernels == KernelsSpec(attention="auto", rms_norm="auto")
+    model = spec.models[0]
+    assert (model.default, model.dtype, model.max_context_tokens, model.default_max_tokens) == (
+        False, "auto", None, 512)
+
+
+def test_models_are_required():
+    with pytest.raises(ValidationError) as excinfo:
+        Spec()
+    assert ("models",) in error_locs(excinfo)
+
+
+def test_empty_model_list_is_rejected():
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=[])
+    assert ("models",) in error_locs(excinfo)
+
+
+def test_single_model_is_default_implicitly():
+    spec = Spec(models=ONE_MODEL)
+    assert spec.models[0].default is False
+    assert spec.default_model.name == "tiny"
+
+
+def test_explicit_default_among_several():
+    spec = Spec(models=[{"name": "a", "source": "a"}, {"name": "b", "source": "b", "default": True}])
+    assert spec.default_model.name == "b"
+    assert spec.model("a").source == "a"
+    assert spec.model("missing") is None
+
+
+@pytest.mark.parametrize("defaults", [(False, False), (True, True)], ids=["none", "two"])
+def test_several_models_need_exactly_one_default(defaults):
+    models = [{"name": n, "source": n, "default": d} for n, d in zip("ab", defaults)]
+    with pytest.raises(ValidationError, match="exactly one model must have default = true"):
+        Spec(models=models)
+
+
+def test_duplicate_model_names_are_named():
+    models = [{"name": "a", "source": "1", "default": True}, {"name": "a", "source": "2"}]
+    with pytest.raises(ValidationError, match="repeated: a") as excinfo:
+        Spec(models=models)
+    assert error_locs(excinfo) == {("models",)}
+
+
+@pytest.mark.parametrize("name", ["", "-leading-dash", "has space", "x" * 129])
+def test_bad_model_names(name):
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=[{"name": name, "source": "s"}])
+    assert error_locs(excinfo) == {("models", 0, "name")}
+
+
+@pytest.mark.parametrize("name", ["a", "org/model:q4", "Qwen2.5-0.5B_instruct"])
+def test_good_model_names(name):
+    assert Spec(models=[{"name": name, "source": "s"}]).models[0].name == name
+
+
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("server", "port", 0),
+        ("server", "port", 65536),
+        ("server", "drain_timeout_s", -1),
+        ("cache", "memory_gb", -0.5),
+        ("cache", "block_tokens", 8),
+        ("cache", "block_tokens", "big"),
+        ("batching", "max_running", 0),
+        ("kernels", "attention", "fast"),
+    ],
+)
+def test_bad_section_values(section, key, value):
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=ONE_MODEL, **{section: {key: value}})
+    assert error_locs(excinfo) == {(section, key)}
+
+
+def test_bad_dtype():
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=[{"name": "a", "source": "s", "dtype": "float8"}])
+    assert error_locs(excinfo) == {("models", 0, "dtype")}
+
+
+@pytest.mark.parametrize("section", [{"server": {"prot": 1}}, {"cache": {"memry_gb": 1}}, {"colour": 1}])
+def test_unknown_keys_are_forbidden(section):
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=ONE_MODEL, **section)
+    assert {e["type"] for e in excinfo.value.errors()} == {"extra_forbidden"}
+
+
+def test_spec_and_sections_are_frozen():
+    spec = Spec(models=ONE_MODEL)
+    with pytest.raises(ValidationError):
+        spec.server = ServerSpec(port=1)
+    with pytest.raises(ValidationError):
+        spec.server.port = 1
+    with pytest.raises(ValidationError):
+        spec.models[0].name = "other"
+    with pytest.raises(AttributeError):
+        spec.models.append(spec.models[0])  # a tuple, not a list
+    assert spec.server.port == 8000
+
+
+def test_env_overrides_single_keys(monkeypatch):
+    monkeypatch.setenv("OMLX_SERVER__PORT", "9000")
+    monkeypatch.setenv("OMLX_CACHE__MEMORY_GB", "3.5")
+    spec = Spec(models=ONE_MODEL, server={"host": "0.0.0.0", "port": 8001})
+    assert spec.server.port == 9000
+    assert spec.server.host == "0.0.0.0"  # the rest of the section stays as given
+    assert spec.cache.memory_gb == 3.5
+    assert spec.cache.block_tokens == 256
+
+
+def test_bytes_properties():
+    cache = CacheSpec(memory_gb=1.5, host_gb=0.25, ssd_gb=0)
+    assert cache.memory_bytes == 3 * GIB // 2
+    assert cache.host_bytes == GIB // 4
+    assert cache.ssd_bytes == 0
+    assert isinstance(cache.memory_bytes, int)
+
+
+def test_cache_path_relative_to_config_dir(tmp_path):
+    assert CacheSpec(dir="cache").path(tmp_path) == (tmp_path / "cache").resolve()
+    assert CacheSpec(dir="../shared").path(tmp_path / "cfg") == (tmp_path / "shared").resolve()
+
+
+def test_cache_path_absolute_ignores_config_dir(tmp_path):
+    assert CacheSpec(dir=str(tmp_path / "abs")).path(Path("/elsewhere")) == (tmp_path / "abs").resolve()
+
+
+def test_cache_path_expands_home(tmp_path):
+    home = Path(os.environ["HOME"])
+    assert CacheSpec(dir="~/.omlx/cache").path(tmp_path / "cfg") == (home / ".omlx/cache").resolve()
+
+
+def test_to_data_drops_none_and_is_plain():
+    data = Spec(models=ONE_MODEL).to_data()
+    assert "profile" not in data
+    assert "max_context_tokens" not in data["models"][0]
+    assert isinstance(data["models"], list)
+
+
+def test_hash_is_stable_and_tracks_every_key():
+    base = Spec(models=ONE_MODEL)
+    assert base.hash == Spec(models=ONE_MODEL).hash
+    assert len(base.hash) == 16
+    changed = [
+        Spec(models=ONE_MODEL, server={"port": 8001}),
+        Spec(models=ONE_MODEL, cache={"memory_gb": 2.5}),
+        Spec(models=[{"name": "tiny", "source": "other.gguf"}]),
+        Spec(models=[{"name": "tiny", "source": "tiny.gguf", "max_context_tokens": 1024}]),
+        Spec(models=ONE_MODEL, kernels={"rms_norm": "generic"}),
+    ]
+    hashes = {s.hash for s in changed}
+    assert base.hash not in hashes
+    assert len(hashes) == len(changed)
