@@ -48,8 +48,10 @@ serve: setup
 check: setup
 	$(VENV)/bin/omlx check --config $(CONFIG)
 
+# In-process MLX tests need OpenBLAS preloaded too (omlx serve re-execs itself with it).
 test: setup-test
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	@lib=$$(ls /usr/lib/*-linux-gnu/libopenblas.so.0 2>/dev/null | head -n 1); \
+	echo "LD_PRELOAD=$$lib"; LD_PRELOAD=$$lib $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,67 @@
+"""A request's state on the engine thread: detokenizer, stop strings, logprobs, counts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+
+from appliance.engine.request import Delta, GenerationRequest, RequestStats, TokenLogprob
+from appliance.engine.sampling import make_processors, make_sampler
+from appliance.engine.stops import StopMatcher
+from appliance.models.loaded import LoadedModel
+
+
+class Slot:
+    def __init__(self, request: GenerationRequest, loaded: LoadedModel):
+        self.request = request
+        self.stats = RequestStats(prompt_tokens=len(request.prompt_tokens))
+        self.uid: int | None = None
+        self.done = False
+        self.handle: Any = None
+        self._stop_ids = frozenset(loaded.eos_token_ids) | frozenset(request.stop_token_ids)
+        self._detokenizer = loaded.tokenizer.detokenizer
+        self._stops = StopMatcher(request.stop)
+
+    def insert_args(self) -> dict:
+        """Returns the keyword arguments of BatchGenerator.insert for this request."""
+        r = self.request
+        return {
+            "prompts": [list(r.prompt_tokens)],
+            "max_tokens": [r.max_tokens],
+            "samplers": [make_sampler(r.sampling)],
+            "logits_processors": [make_processors(r.sampling)],
+            "stop_sequences": [StopSequences([[t] for t in sorted(self._stop_ids)])],
+        }
+
+    def on_token(self, token: int, logprobs: mx.array, finish_reason: str | None
+                 ) -> tuple[list, str | None]:
+        """Returns the events for one generated token and the finish reason, if it ends here."""
+        stats = self.stats
+        stats.completion_tokens += 1
+        if stats.first_token_at is None:
+            stats.first_token_at = time.perf_counter()
+        stopped_by_token = finish_reason == "stop" and token in self._stop_ids
+        if not stopped_by_token:
+            self._detokenizer.add_token(token)
+        if finish_reason is not None:
+            self._detokenizer.finalize()
+        text = self._stops.feed(self._detokenizer.last_segment)
+        if self._stops.stopped:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            text += self._stops.flush()
+        logs = () if self.request.top_logprobs is None else (self._logprob(token, logprobs),)
+        return [Delta(text=text, token_ids=(token,), logprobs=logs)], finish_reason
+
+    def _logprob(self, token: int, logprobs: mx.array) -> TokenLogprob:
+        k = self.request.top_logprobs or 0
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            values = logprobs[ids]
+            order = mx.argsort(-values)
+            top = tuple(zip(ids[order].tolist(), values[order].tolist()))
+        return TokenLogprob(token_id=token, logprob=logprobs[token].item(), top=top)

@@ -1,0 +1,89 @@
+"""A model loaded into MLX: weights, tokenizer, limits, ready for an engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from appliance.platform import resolve_dtype
+from appliance.spec import ModelSpec
+
+log = logging.getLogger("omlx.models")
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    spec: ModelSpec
+    path: Path  # the local MLX model directory
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    context_tokens: int
+    dtype: str
+    load_s: float
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Returns the token ids of raw text, with no special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Returns the prompt token ids of a chat, rendered by the model's chat template."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        return self.encode(text)
+
+
+def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> LoadedModel:
+    """Returns `spec`'s model loaded and evaluated; raises ModelSourceError or ValueError."""
+    from mlx_lm.utils import load
+
+    from appliance.models.source import materialize
+
+    started = time.perf_counter()
+    dtype = resolve_dtype(spec.dtype)
+    path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
+    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    if dtype is not None:
+        cast(model, DTYPES[dtype])
+    mx.eval(model.parameters())
+    native = int(config.get("max_position_embeddings") or spec.max_context_tokens or 4096)
+    context = min(native, spec.max_context_tokens) if spec.max_context_tokens else native
+    actual = dtype or str(next(iter_float_dtypes(model), "unknown")).removeprefix("mlx.core.")
+    loaded = LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
+                         context_tokens=context, dtype=actual, load_s=time.perf_counter() - started)
+    log.info("model %s loaded from %s (%s, %d-token context) in %.1f s",
+             spec.name, path, actual, context, loaded.load_s)
+    return loaded
+
+
+def cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Casts the floating-point weights of `model` to `dtype`; quantized ints stay as they are."""
+    model.update(tree_map(
+        lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
+        model.parameters(),
+    ))
+
+
+def iter_float_dtypes(model: nn.Module):
+    from mlx.utils import tree_flatten
+
+    for _, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating):
+            yield a.dtype

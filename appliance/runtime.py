@@ -1,0 +1,139 @@
+"""The running appliance: the applied config and one engine per model, with their states."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from appliance.config import LoadedConfig
+from appliance.engine.engine import Engine
+from appliance.models.loaded import load_model
+from appliance.spec import ModelSpec
+
+log = logging.getLogger("omlx.runtime")
+
+
+class UnknownModel(Exception):
+    """No model of that name is configured."""
+
+
+class ModelUnavailable(Exception):
+    """The model is configured but not serving (loading, failed or stopping)."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ModelEntry:
+    spec: ModelSpec
+    state: str = "pending"  # pending | loading | ready | failed | stopped
+    engine: Engine | None = None
+    error: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def to_data(self, *, default: bool) -> dict:
+        loaded = self.engine.loaded if self.engine else None
+        return {
+            "name": self.spec.name,
+            "state": self.state,
+            "default": default,
+            "source": self.spec.source,
+            "error": self.error,
+            "dtype": loaded.dtype if loaded else None,
+            "context_tokens": loaded.context_tokens if loaded else None,
+            "load_s": round(loaded.load_s, 3) if loaded else None,
+            "live_requests": self.engine.num_live if self.engine else 0,
+        }
+
+
+class Appliance:
+    """Holds what is applied; loads models in the background so the API answers at once."""
+
+    def __init__(self, config: LoadedConfig):
+        self.config = config
+        self.started_at = time.time()
+        self.last_error: dict | None = None
+        self.models = {m.name: ModelEntry(m) for m in config.spec.models}
+        self._loader: threading.Thread | None = None
+
+    @property
+    def spec(self):
+        return self.config.spec
+
+    def start(self) -> None:
+        self._loader = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
+        self._loader.start()
+
+    def _load_all(self) -> None:
+        cache_dir = self.spec.cache.path(self.config.base_dir)
+        for entry in self.models.values():
+            entry.state = "loading"
+            try:
+                loaded = load_model(entry.spec, base_dir=self.config.base_dir, cache_dir=cache_dir)
+                entry.engine = Engine(loaded, self.spec.batching).start()
+                entry.state = "ready"
+            except Exception as e:  # a model that cannot load must not take the others down
+                log.error("model %s failed to load: %s", entry.spec.name, e)
+                entry.state, entry.error = "failed", str(e)
+            entry.ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return all(e.state == "ready" for e in self.models.values())
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """Returns the entry for `name` (the default model when None); raises UnknownModel."""
+        if not name:
+            return self.models[self.spec.default_model.name]
+        entry = self.models.get(name)
+        if entry is None:
+            raise UnknownModel(f"The model '{name}' does not exist. Available: {', '.join(self.models)}")
+        return entry
+
+    async def engine(self, name: str | None, *, wait_s: float = 30.0) -> Engine:
+        """Returns the ready engine of `name`, waiting up to `wait_s` while it loads."""
+        entry = self.resolve(name)
+        if not entry.ready.is_set():
+            await asyncio.to_thread(entry.ready.wait, wait_s)
+        if entry.state == "ready" and entry.engine is not None:
+            return entry.engine
+        if entry.state in ("pending", "loading"):
+            raise ModelUnavailable(f"model {entry.spec.name} is still loading", retry_after_s=5)
+        raise ModelUnavailable(f"model {entry.spec.name} is not available: {entry.error or entry.state}")
+
+    def stop(self, *, drain_s: float) -> None:
+        """Stops every engine: running requests get `drain_s` to finish."""
+        for entry in self.models.values():
+            if entry.engine is not None:
+                entry.engine.stop(drain_s=drain_s)
+                entry.state = "stopped"
+
+    def status(self) -> dict:
+        return {
+            "version": version(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": self.ready,
+            "config": {
+                "path": str(self.config.path),
+                "hash": self.spec.hash,
+                "files": [str(f) for f in self.config.files],
+                "last_error": self.last_error,
+            },
+            "models": [e.to_data(default=name == self.spec.default_model.name)
+                       for name, e in self.models.items()],
+        }
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("omlx")
+    except PackageNotFoundError:
+        return "0+unknown"

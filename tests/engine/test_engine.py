@@ -1,0 +1,110 @@
+"""The engine in process with the real model: batching, admission, cancellation, seeds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.engine.engine import Engine, EngineClosed, QueueFull
+from appliance.engine.request import Delta, GenerationRequest, SamplingParams
+from appliance.spec import BatchingSpec
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0)
+QUESTIONS = ["What is the capital of France?", "Tell me a joke.", "What is 2+2?", "Name a color."]
+
+
+@pytest.fixture
+def engine(loaded_model):
+    eng = Engine(loaded_model, BatchingSpec(max_running=3, max_queued=2, prefill_chunk_tokens=64)).start()
+    yield eng
+    eng.stop(drain_s=0)
+
+
+def request(loaded_model, question: str, **kw) -> GenerationRequest:
+    prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": question}]))
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("sampling", GREEDY)
+    return GenerationRequest(prompt_tokens=prompt, **kw)
+
+
+async def run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str, str]:
+    handle = engine.submit(req)
+    tokens, text = [], ""
+    async for event in handle:
+        if isinstance(event, Delta):
+            tokens += event.token_ids
+            text += event.text
+    return tokens, text, handle.finished.reason
+
+
+def test_greedy_in_a_batch_equals_alone(engine, loaded_model):
+    async def main():
+        alone = [await run(engine, request(loaded_model, q)) for q in QUESTIONS]
+        together = await asyncio.gather(*(run(engine, request(loaded_model, q)) for q in QUESTIONS))
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    assert [a[0] for a in alone] == [t[0] for t in together]
+    assert "Paris" in alone[0][1]
+
+
+def test_queue_full_is_refused_at_submit(engine, loaded_model):
+    async def main():
+        handles = [engine.submit(request(loaded_model, "Count to fifty.", max_tokens=40)) for _ in range(5)]
+        with pytest.raises(QueueFull):
+            engine.submit(request(loaded_model, "one more"))
+        for h in handles:
+            h.cancel()
+        reasons = []
+        for h in handles:
+            async for _ in h:
+                pass
+            reasons.append(h.finished.reason)
+        return reasons
+
+    assert asyncio.run(main()) == ["cancelled"] * 5
+    assert engine.num_live == 0
+
+
+def test_cancel_frees_the_slot_for_the_next_request(engine, loaded_model):
+    async def main():
+        long = [engine.submit(request(loaded_model, "Count to fifty.", max_tokens=500)) for _ in range(3)]
+        async for event in long[0]:  # wait until decoding is under way
+            if isinstance(event, Delta):
+                break
+        for h in long:
+            h.cancel()
+        return await run(engine, request(loaded_model, QUESTIONS[0]))
+
+    tokens, text, reason = asyncio.run(main())
+    assert "Paris" in text and reason == "stop"
+    assert engine.num_live == 0
+
+
+def test_seeded_sampling_is_reproducible_inside_a_batch(engine, loaded_model):
+    sampling = SamplingParams(temperature=1.0, seed=1234)
+
+    async def main():
+        alone = await run(engine, request(loaded_model, "Write a poem.", sampling=sampling))
+        batch = await asyncio.gather(
+            run(engine, request(loaded_model, "Write a poem.", sampling=sampling)),
+            run(engine, request(loaded_model, "Tell me a joke.", sampling=SamplingParams(temperature=1.0))),
+        )
+        return alone, batch[0]
+
+    alone, batched = asyncio.run(main())
+    assert alone[0] == batched[0]
+
+
+def test_stopped_engine_refuses_new_requests(loaded_model):
+    engine = Engine(loaded_model, BatchingSpec()).start()
+    engine.stop(drain_s=0)
+
+    async def main():
+        engine.submit(request(loaded_model, "hi"))
+
+    with pytest.raises(EngineClosed):
+        asyncio.run(main())
