@@ -24,15 +24,18 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# Extras: the MLX backend (cpu on Linux; none on macOS, where plain mlx is Metal), plus test.
+comma := ,
+EXTRAS_BASE := $(BACKEND)
+EXTRAS_TEST := $(BACKEND)$(if $(BACKEND),$(comma))test
+
 $(VENV)/.installed-base: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e ".[$(BACKEND)]"
+	$(PY) -m pip install -q -e ".$(if $(EXTRAS_BASE),[$(EXTRAS_BASE)])"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e ".[$(BACKEND)$(if $(BACKEND),$(comma))test]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS_TEST)]"
 	touch $@ $(VENV)/.installed-base
-
-comma := ,
 
 openblas:
 	@bash scripts/ensure-openblas.sh

@@ -15,6 +15,8 @@ from appliance.spec import ModelSpec
 
 log = logging.getLogger("omlx.runtime")
 
+RECENT_SHOWN = 20  # per-request figures shown in the status
+
 
 class UnknownModel(Exception):
     """No model of that name is configured."""
@@ -48,6 +50,8 @@ class ModelEntry:
             "context_tokens": loaded.context_tokens if loaded else None,
             "load_s": round(loaded.load_s, 3) if loaded else None,
             "live_requests": self.engine.num_live if self.engine else 0,
+            "recent_requests": [r.to_data() for r in list(self.engine.recent)[-RECENT_SHOWN:]]
+            if self.engine else [],
         }
 
 
