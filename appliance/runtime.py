@@ -8,9 +8,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from concurrent.futures import ThreadPoolExecutor
+
+from appliance.cache.kv import probe_layout
+from appliance.cache.model_cache import ModelCache
+from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
-from appliance.models.loaded import load_model
+from appliance.models.fingerprint import weights_fingerprint
+from appliance.models.loaded import LoadedModel, load_model
 from appliance.spec import ModelSpec
 
 log = logging.getLogger("omlx.runtime")
@@ -64,6 +70,8 @@ class Appliance:
         self.last_error: dict | None = None
         self.models = {m.name: ModelEntry(m) for m in config.spec.models}
         self._loader: threading.Thread | None = None
+        self.store: KVStore | None = None
+        self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
 
     @property
     def spec(self):
@@ -73,18 +81,36 @@ class Appliance:
         self._loader = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
         self._loader.start()
 
+    @property
+    def cache_dir(self):
+        return self.spec.cache.path(self.config.base_dir)
+
     def _load_all(self) -> None:
-        cache_dir = self.spec.cache.path(self.config.base_dir)
+        cache = self.spec.cache
+        self.store = KVStore(root=self.cache_dir / "kv", memory_bytes=cache.memory_bytes,
+                             host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
         for entry in self.models.values():
             entry.state = "loading"
             try:
-                loaded = load_model(entry.spec, base_dir=self.config.base_dir, cache_dir=cache_dir)
-                entry.engine = Engine(loaded, self.spec.batching).start()
+                loaded = load_model(entry.spec, base_dir=self.config.base_dir, cache_dir=self.cache_dir)
+                entry.engine = Engine(loaded, self.spec.batching, cache=self._model_cache(loaded),
+                                      prefetcher=self._prefetcher).start()
                 entry.state = "ready"
             except Exception as e:  # a model that cannot load must not take the others down
                 log.error("model %s failed to load: %s", entry.spec.name, e)
                 entry.state, entry.error = "failed", str(e)
             entry.ready.set()
+
+    def _model_cache(self, loaded: LoadedModel) -> ModelCache | None:
+        """Returns the model's view of the KV store; None when its caches can't be blocked."""
+        layout = probe_layout(loaded.model)
+        if layout is None or self.store is None:
+            log.warning("model %s: its KV cache type cannot be stored in blocks; prefix caching is off "
+                        "for it (output is unaffected)", loaded.name)
+            return None
+        weights = weights_fingerprint(loaded.path, memo_dir=self.cache_dir)
+        return ModelCache(self.store, weights=weights, compute_dtype=loaded.dtype, layout=layout,
+                          block_tokens=self.spec.cache.block_tokens)
 
     @property
     def ready(self) -> bool:
@@ -111,11 +137,33 @@ class Appliance:
         raise ModelUnavailable(f"model {entry.spec.name} is not available: {entry.error or entry.state}")
 
     def stop(self, *, drain_s: float) -> None:
-        """Stops every engine: running requests get `drain_s` to finish."""
+        """Stops every engine (running requests get `drain_s` to finish), then flushes the cache."""
         for entry in self.models.values():
             if entry.engine is not None:
                 entry.engine.stop(drain_s=drain_s)
                 entry.state = "stopped"
+        self._prefetcher.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            self.store.flush(timeout_s=30)
+            self.store.close()
+
+    def cache_stats(self) -> dict:
+        """Returns per-tier and per-model cache figures."""
+        tiers = self.store.stats() if self.store is not None else {}
+        models = {name: e.engine.cache.stats() for name, e in self.models.items()
+                  if e.engine is not None and e.engine.cache is not None}
+        return {"block_tokens": self.spec.cache.block_tokens, "tiers": tiers, "models": models}
+
+    def clear_cache(self, model: str | None = None) -> int:
+        """Removes cached blocks of one model (all tenants) or of everything; returns how many."""
+        if self.store is None:
+            return 0
+        if model is None:
+            return self.store.clear()
+        entry = self.resolve(model)
+        if entry.engine is None or entry.engine.cache is None:
+            return 0
+        return self.store.clear(entry.engine.cache.group_prefix)
 
     def status(self) -> dict:
         return {

@@ -36,9 +36,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, *, port: int, cache_dir: Path = TEST_CACHE, extra: str = "",
-                 model_extra: str = "") -> Path:
+def own_cache_dir(root: Path) -> Path:
+    """Returns a fresh cache dir under `root` that shares the converted model of every test.
+
+    Each server needs its own KV store (a process locks its SSD tier), but converting
+    the GGUF once per test would be slow.
+    """
+    cache_dir = root / "cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (TEST_CACHE / "models").mkdir(parents=True, exist_ok=True)
+    if not (cache_dir / "models").exists():
+        (cache_dir / "models").symlink_to(TEST_CACHE / "models")
+    return cache_dir
+
+
+def write_config(path: Path, *, port: int, cache_dir: Path | None = None, extra: str = "",
+                 model_extra: str = "", cache_extra: str = "") -> Path:
     """Writes an omlx.toml serving the real model; returns its path."""
+    cache_dir = cache_dir or own_cache_dir(path.parent)
     path.write_text(f"""
 [server]
 host = "127.0.0.1"
@@ -53,6 +68,7 @@ max_context_tokens = 2048
 
 [cache]
 dir = "{cache_dir}"
+{cache_extra}
 
 [batching]
 max_running = 4

@@ -13,9 +13,11 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.cache.model_cache import ModelCache
 from appliance.engine.request import Finished, GenerationRequest, RequestStats
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
@@ -72,15 +74,20 @@ class _Commands:
 
 
 class Engine:
-    """Continuous batching for one loaded model."""
+    """Continuous batching for one loaded model, restoring cached prefixes at admission."""
 
-    def __init__(self, loaded: LoadedModel, limits: BatchingSpec):
+    def __init__(self, loaded: LoadedModel, limits: BatchingSpec, *, cache: ModelCache | None = None,
+                 prefetcher: Executor | None = None):
         self.loaded = loaded
         self.limits = limits
+        self.cache = cache
+        self._prefetcher = prefetcher
+        self.prefill_tok_s: float | None = None  # measured, for restore-or-recompute
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         self._cond = threading.Condition()
         self._commands = _Commands()
         self._num_live = 0  # submitted and not yet finished
+        self._wakeups = 0  # prefetches finished since the engine last looked
         self._accepting = True
         self._stopping = False
         self._waiting: deque[Slot] = deque()  # engine thread only
@@ -112,10 +119,20 @@ class Engine:
             slot = Slot(request, self.loaded)
             handle = RequestHandle(self, slot, loop)
             slot.handle = handle
+            if self.cache is not None and self._prefetcher is not None:
+                # SSD reads start now, not when the request reaches the front of the queue.
+                slot.prefetch = self._prefetcher.submit(
+                    self.cache.prefetch, request.prompt_tokens, tenant=request.cache_group)
+                slot.prefetch.add_done_callback(lambda _: self._wake())
             self._num_live += 1
             self._commands.submitted.append(slot)
             self._cond.notify()
         return handle
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._wakeups += 1
+            self._cond.notify()
 
     def cancel(self, slot: Slot) -> None:
         with self._cond:
@@ -136,6 +153,19 @@ class Engine:
     # --- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # never leave requests hanging on a dead engine
+            log.exception("engine of model %s stopped on an error", self.loaded.name)
+            with self._cond:
+                self._accepting = False
+                stranded = [*self._commands.submitted, *self._waiting, *self._running.values()]
+            for slot in stranded:
+                if not slot.done:
+                    self._finish(slot, "error", error="the engine stopped on an internal error")
+            raise
+
+    def _loop(self) -> None:
         self._batch = self._new_batch()
         while True:
             commands = self._next_commands()
@@ -154,11 +184,12 @@ class Engine:
         """Returns the commands that arrived since the last step; None once stopping."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
-                       or self._stopping):
+                       or self._stopping or self._wakeups):
                 self._cond.wait()
             if self._stopping:
                 return None
             commands, self._commands = self._commands, _Commands()
+            self._wakeups = 0
             return commands
 
     def _new_batch(self) -> Any:
@@ -172,11 +203,47 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.limits.max_running:
-            slot = self._waiting.popleft()
-            slot.uid = self._batch.insert(**slot.insert_args())[0]
+        """Moves waiting requests into the batch, oldest first, once their prefetch is done."""
+        for slot in list(self._waiting):
+            if len(self._running) >= self.limits.max_running:
+                return
+            if slot.prefetch is not None and not slot.prefetch.done():
+                continue
+            self._waiting.remove(slot)
+            restored = self._restore(slot)
+            try:
+                slot.uid = self._batch.insert(**slot.insert_args(restored))[0]
+            except Exception as e:
+                log.exception("could not admit a request on model %s", self.loaded.name)
+                self._finish(slot, "error", error=f"could not start generation: {e}")
+                continue
             slot.stats.admitted_at = time.perf_counter()
             self._running[slot.uid] = slot
+
+    def _restore(self, slot: Slot) -> Any:
+        if self.cache is None:
+            return None
+        prompt = slot.request.prompt_tokens
+        try:
+            lookup = self.cache.lookup(prompt, tenant=slot.request.cache_group)
+            lookup = self.cache.worth_restoring(lookup, prefill_tok_s=self.prefill_tok_s)
+            restored = self.cache.restore(lookup, prompt_tokens=len(prompt))
+        except Exception:  # a cache fault costs a recompute, never the request
+            log.exception("cache restore failed on model %s; recomputing", self.loaded.name)
+            return None
+        slot.stats.cached_tokens = restored.num_tokens
+        slot.stats.cached_by_tier = restored.tiers
+        return restored
+
+    def _save(self, slot: Slot, cache: list | None, tokens: list[int] | None) -> None:
+        """Stores the request's new KV blocks (prompt and generated tokens)."""
+        if self.cache is None or not cache or not tokens:
+            return
+        try:
+            self.cache.save(cache, tokens, tenant=slot.request.cache_group,
+                            skip_tokens=slot.stats.cached_tokens)
+        except Exception:
+            log.exception("cache save failed on model %s", self.loaded.name)
 
     def _step(self) -> None:
         try:
@@ -192,7 +259,7 @@ class Engine:
         for r in prompt_responses:
             slot = self._running.get(r.uid)
             if slot is not None and r.end_of_prompt:
-                slot.stats.prefilled_at = now
+                self._prefilled(slot, now)
         for r in generation_responses:
             slot = self._running.get(r.uid)
             if slot is None:
@@ -200,16 +267,35 @@ class Engine:
             events, reason = slot.on_token(r.token, r.logprobs, r.finish_reason)
             if reason is not None:
                 if r.finish_reason is None:  # a stop string: mlx-lm still holds it
-                    self._batch.remove([r.uid])
+                    self._remove(slot)
+                else:
+                    self._save(slot, r.prompt_cache, r.all_tokens)
                 del self._running[r.uid]
                 events.append(self._finished(slot, reason))
             slot.handle._push(events)
+
+    def _prefilled(self, slot: Slot, now: float) -> None:
+        """Records prefill speed and saves the prompt's KV, so concurrent requests share it."""
+        stats = slot.stats
+        stats.prefilled_at = now
+        computed = stats.prompt_tokens - stats.cached_tokens
+        if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
+            rate = computed / (now - stats.admitted_at)
+            self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
+        if self.cache is not None:
+            self._save(slot, *self._batch.extract_cache([slot.uid]).get(slot.uid, (None, None)))
+
+    def _remove(self, slot: Slot) -> None:
+        """Takes a request out of the batch, keeping its KV."""
+        caches = self._batch.remove([slot.uid], return_prompt_caches=self.cache is not None)
+        if slot.uid in caches:
+            self._save(slot, *caches[slot.uid])
 
     def _drop(self, slot: Slot, reason: str) -> None:
         if slot.done:
             return
         if slot.uid is not None and self._running.pop(slot.uid, None) is not None:
-            self._batch.remove([slot.uid])
+            self._remove(slot)
         elif slot in self._waiting:
             self._waiting.remove(slot)
         self._finish(slot, reason)

@@ -31,7 +31,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: never emitted, may span tokens
     stop_token_ids: tuple[int, ...] = ()  # ends the request like EOS
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
-    request_id: str = ""
+    cache_group: str = "default"  # the tenant's KV namespace: groups never share blocks
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class RequestStats:
 
     prompt_tokens: int
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -88,6 +89,7 @@ class RequestStats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "cached_by_tier": self.cached_by_tier,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "queue_s": self.queue_s,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
@@ -21,15 +22,20 @@ class Slot:
         self.uid: int | None = None
         self.done = False
         self.handle: Any = None
+        self.prefetch: Future | None = None  # SSD reads started at submit
         self._stop_ids = frozenset(loaded.eos_token_ids) | frozenset(request.stop_token_ids)
         self._detokenizer = loaded.tokenizer.detokenizer
         self._stops = StopMatcher(request.stop)
 
-    def insert_args(self) -> dict:
-        """Returns the keyword arguments of BatchGenerator.insert for this request."""
+    def insert_args(self, restored: Any = None) -> dict:
+        """Returns the keyword arguments of BatchGenerator.insert, after a restored prefix."""
         r = self.request
+        n = restored.num_tokens if restored is not None and restored.cache is not None else 0
         return {
-            "prompts": [list(r.prompt_tokens)],
+            "prompts": [list(r.prompt_tokens[n:])],
+            "caches": [restored.cache] if n else None,
+            # mlx-lm keeps the tokens its cache holds: the restored ones come first.
+            "all_tokens": [list(r.prompt_tokens[:n])],
             "max_tokens": [r.max_tokens],
             "samplers": [make_sampler(r.sampling)],
             "logits_processors": [make_processors(r.sampling)],

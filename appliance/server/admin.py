@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from appliance.server.json import JSONResponse
+from appliance.server.params import parse_body
 
 
 async def health(request: Request) -> Response:
@@ -23,7 +27,28 @@ async def status(request: Request) -> Response:
     return JSONResponse(request.app.state.appliance.status())
 
 
+async def cache(request: Request) -> Response:
+    """Per tier: bytes, budget, blocks, hits, misses by reason, evictions, restore GB/s."""
+    return JSONResponse(request.app.state.appliance.cache_stats())
+
+
+async def clear_cache(request: Request) -> Response:
+    """Clears one model's blocks (`{"model": name}`) or all (empty body)."""
+    body = await request.body()
+    params = parse_body(body, ClearParams) if body.strip() else ClearParams()
+    app = request.app.state.appliance
+    removed = await asyncio.to_thread(app.clear_cache, params.model)
+    return JSONResponse({"removed_blocks": removed, "model": params.model})
+
+
+class ClearParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+
+
 ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/admin/api/status", status, methods=["GET"]),
+    Route("/admin/api/cache", cache, methods=["GET"]),
+    Route("/admin/api/cache/clear", clear_cache, methods=["POST"]),
 ]

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from appliance.cache.model_cache import tenant_group
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import bad_request
@@ -43,6 +44,8 @@ class CommonParams(Lenient):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's name: requests with different salts never share cached KV (tenant isolation).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -109,7 +112,7 @@ class CompletionParams(CommonParams):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
 
-def parse_body(raw: bytes, model: type[CommonParams]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Returns the validated body; raises a 400 ApiError naming the bad parameter."""
     try:
         data = orjson.loads(raw)
@@ -149,6 +152,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
         stop=tuple(params.stop or ()),
         stop_token_ids=tuple(params.stop_token_ids),
         top_logprobs=top_logprobs,
+        cache_group=tenant_group(params.cache_salt),
     )
 
 

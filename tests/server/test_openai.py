@@ -33,7 +33,16 @@ def test_chat_answers_with_usage(client: openai.OpenAI):
     u = r.usage
     assert u.prompt_tokens > 5 and u.completion_tokens > 0
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+
+
+def test_cached_tokens_count_a_revisited_prompt(client: openai.OpenAI):
+    messages = [{"role": "user", "content": "Name three rivers of Europe, one per line."}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8)
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
 
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI):

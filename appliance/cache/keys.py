@@ -1,0 +1,74 @@
+"""Block keys: a chained hash of token blocks, rooted in what makes KV reusable at all.
+
+The root covers the model's weights (content), compute dtype, KV layout, block size,
+on-disk format and the tenant's cache group, so a key can never match KV written by
+other weights, another layout or another tenant. Each block's key hashes its parent's
+key with its token ids, so equal keys mean equal prefixes (and hits still compare the
+stored token ids, so a collision cannot serve wrong KV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import orjson
+
+from appliance.cache.block import FORMAT_VERSION
+
+DEFAULT_GROUP = "default"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV across the model: what a block's payload holds."""
+
+    num_layers: int
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: str  # e.g. "float32"
+    itemsize: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_heads * (self.k_head_dim + self.v_head_dim) * self.itemsize
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Where a model's blocks live: its root key and its group (the SSD directory)."""
+
+    root: bytes
+    group: str
+    block_tokens: int
+
+    def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """Returns the key of a block of `tokens` following `parent`."""
+        return hashlib.sha256(parent + np.asarray(tokens, dtype="<i4").tobytes()).digest()
+
+    def chain(self, tokens: Sequence[int]) -> list[bytes]:
+        """Returns the keys of the full blocks of `tokens`, in order."""
+        keys, parent, b = [], self.root, self.block_tokens
+        for start in range(0, len(tokens) - b + 1, b):
+            parent = self.block_key(parent, tokens[start:start + b])
+            keys.append(parent)
+        return keys
+
+
+def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_tokens: int,
+              tenant: str = DEFAULT_GROUP) -> KeySpace:
+    """Returns the key space of a model's KV for one tenant."""
+    identity = {
+        "format": FORMAT_VERSION,
+        "weights": weights,
+        "compute_dtype": compute_dtype,
+        "layout": asdict(layout),
+        "block_tokens": block_tokens,
+        "tenant": tenant,
+    }
+    root = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).digest()
+    # The directory names the weights and tenant for people; the root keys everything else.
+    return KeySpace(root=root, group=f"{weights[:16]}/{tenant}", block_tokens=block_tokens)

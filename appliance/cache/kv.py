@@ -1,0 +1,127 @@
+"""KV blocks in MLX: cut from a request's cache, rebuilt into one, and (de)serialized.
+
+A block holds `block_tokens` tokens (or fewer, for a prompt's tail) of every layer's keys
+and values, stacked as [layers, kv_heads, tokens, head_dim]: one contiguous array each,
+so a block is two evaluated copies that never pin the live cache's buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from appliance.cache.keys import KeySpace, KVLayout
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+    keys: mx.array  # [layers, kv_heads, tokens, k_head_dim]
+    values: mx.array  # [layers, kv_heads, tokens, v_head_dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def probe_layout(model: nn.Module) -> KVLayout | None:
+    """Returns the model's KV layout, or None when its caches are not plain, uniform KVCaches.
+
+    Sliding-window (rotating), quantized and recurrent caches cannot be cut into
+    position-independent blocks, so such models bypass the cache instead of risking
+    wrong output.
+    """
+    caches = make_prompt_cache(model)
+    if not caches or any(type(c) is not KVCache for c in caches):
+        return None
+    model(mx.array([[0]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype) for c in caches}
+    if len(shapes) != 1:
+        return None
+    heads, dk, dv, dtype = shapes.pop()
+    return KVLayout(num_layers=len(caches), kv_heads=heads, k_head_dim=dk, v_head_dim=dv,
+                    dtype=str(dtype).removeprefix("mlx.core."), itemsize=dtype.size)
+
+
+def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip_tokens: int,
+               is_known: Callable[[bytes], bool]) -> list[KVBlock]:
+    """Returns evaluated copies of the blocks of `tokens` held in `cache` (batch of one).
+
+    Full blocks and the final partial block are cut from `skip_tokens` on; blocks whose
+    key `is_known` are not copied again.
+    """
+    b = space.block_tokens
+    parent = space.root
+    blocks = []
+    for start in range(0, len(tokens), b):
+        piece = tokens[start:start + b]
+        key = space.block_key(parent, piece)
+        if start + len(piece) > skip_tokens and not is_known(key):
+            end = start + len(piece)
+            keys = mx.stack([c.keys[0, :, start:end, :] for c in cache])
+            values = mx.stack([c.values[0, :, start:end, :] for c in cache])
+            blocks.append(KVBlock(key, parent, tuple(piece), keys, values))
+        parent = key
+    mx.eval([(blk.keys, blk.values) for blk in blocks])
+    return blocks
+
+
+def build_cache(blocks: list[KVBlock], num_tokens: int) -> list[KVCache]:
+    """Returns one KVCache per layer holding the first `num_tokens` tokens of `blocks`."""
+    keys = mx.concatenate([blk.keys for blk in blocks], axis=2)[:, :, :num_tokens]
+    values = mx.concatenate([blk.values for blk in blocks], axis=2)[:, :, :num_tokens]
+    mx.eval(keys, values)
+    caches = []
+    for layer in range(keys.shape[0]):
+        c = KVCache()
+        c.keys, c.values, c.offset = keys[layer][None], values[layer][None], num_tokens
+        caches.append(c)
+    return caches
+
+
+def to_payload(block: KVBlock) -> tuple[dict, memoryview]:
+    """Returns the block's meta and its keys+values as one byte buffer (a single copy)."""
+    k = _bytes_of(block.keys)
+    v = _bytes_of(block.values)
+    meta = {"dtype": str(block.keys.dtype).removeprefix("mlx.core."),
+            "k_shape": list(block.keys.shape), "v_shape": list(block.values.shape),
+            "k_nbytes": k.nbytes}
+    return meta, memoryview(np.concatenate([k, v]))
+
+
+def from_payload(key: bytes, parent: bytes, tokens: tuple[int, ...], meta: dict,
+                 payload: bytes | memoryview) -> KVBlock:
+    """Returns the block a payload serializes; raises ValueError when it does not fit its meta."""
+    dtype = getattr(mx, meta["dtype"])
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    split = meta["k_nbytes"]
+    keys = _array_of(raw[:split], dtype, meta["k_shape"])
+    values = _array_of(raw[split:], dtype, meta["v_shape"])
+    if keys.shape[2] != len(tokens) or values.shape[2] != len(tokens):
+        raise ValueError("payload shape does not match the block's tokens")
+    mx.eval(keys, values)
+    return KVBlock(key, parent, tokens, keys, values)
+
+
+def _bytes_of(a: mx.array) -> np.ndarray:
+    # A uint8 view keeps bfloat16 (which numpy lacks) byte-exact.
+    return np.array(a.view(mx.uint8), copy=False).reshape(-1)
+
+
+def _array_of(raw: np.ndarray, dtype: mx.Dtype, shape: list[int]) -> mx.array:
+    expected = int(np.prod(shape)) * dtype.size
+    if raw.nbytes != expected:
+        raise ValueError(f"payload holds {raw.nbytes} bytes, its meta says {expected}")
+    return mx.array(raw).view(dtype).reshape(shape)

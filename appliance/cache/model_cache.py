@@ -1,0 +1,169 @@
+"""One model's view of the KV store: find a prompt's cached prefix, restore it, save new KV.
+
+A prompt's prefix is matched block by block along the key chain, then the block after
+the last full match is probed for a stored (possibly partial) block whose tokens start
+the rest of the prompt, so a revisited prompt restores all but its last token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import KVCache
+
+from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space
+from appliance.cache.kv import build_cache, cut_blocks
+from appliance.cache.store import SSD, KVStore
+
+
+@dataclass(frozen=True)
+class Hit:
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]  # the stored block's tokens
+    tier: str
+    use_tokens: int  # how many of them this prompt restores
+
+
+@dataclass(frozen=True)
+class Lookup:
+    hits: tuple[Hit, ...] = ()
+    tenant: str = DEFAULT_GROUP
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(h.use_tokens for h in self.hits)
+
+    def truncated(self, n: int) -> Lookup:
+        return Lookup(self.hits[:n], self.tenant)
+
+
+@dataclass(frozen=True)
+class Restored:
+    cache: list[KVCache] | None
+    num_tokens: int
+    tiers: dict[str, int]  # tokens restored from each tier
+
+
+def tenant_group(salt: str | None) -> str:
+    """Returns the cache group of a request's `cache_salt` (the default group when None)."""
+    if not salt:
+        return DEFAULT_GROUP
+    return "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:24]
+
+
+class ModelCache:
+    def __init__(self, store: KVStore, *, weights: str, compute_dtype: str, layout: KVLayout,
+                 block_tokens: int):
+        self.store = store
+        self.weights = weights
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self._identity = {"weights": weights, "compute_dtype": compute_dtype, "layout": layout,
+                          "block_tokens": block_tokens}
+        self._spaces: dict[str, KeySpace] = {}
+        self._lock = threading.Lock()
+        self.counters: Counter = Counter()
+
+    @property
+    def group_prefix(self) -> str:
+        """The SSD directory of every tenant of this model."""
+        return self.weights[:16]
+
+    def space(self, tenant: str) -> KeySpace:
+        with self._lock:
+            if tenant not in self._spaces:
+                self._spaces[tenant] = key_space(tenant=tenant, **self._identity)
+            return self._spaces[tenant]
+
+    def lookup(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP) -> Lookup:
+        """Returns the longest cached prefix of `tokens`, at most all but the last token."""
+        space = self.space(tenant)
+        limit, b = len(tokens) - 1, self.block_tokens
+        hits: list[Hit] = []
+        parent, start = space.root, 0
+        while start + b <= limit:
+            piece = tuple(tokens[start:start + b])
+            key = space.block_key(parent, piece)
+            tier = self.store.tier_of(key, space.group)
+            if tier is None:
+                break
+            hits.append(Hit(key, parent, piece, tier, b))
+            parent, start = key, start + b
+        rest = tuple(tokens[start:start + b])
+        for t in range(len(rest), 0, -1):
+            key = space.block_key(parent, rest[:t])
+            tier = self.store.tier_of(key, space.group)
+            if tier is not None:
+                use = min(t, limit - start)
+                if use > 0:
+                    hits.append(Hit(key, parent, rest[:t], tier, use))
+                break
+        return Lookup(tuple(hits), tenant)
+
+    def worth_restoring(self, lookup: Lookup, *, prefill_tok_s: float | None) -> Lookup:
+        """Returns the prefix of `lookup` whose restore beats recomputing it the most.
+
+        Each block's restore time comes from its tier's measured bandwidth, its recompute
+        time from the model's measured prefill speed; unknown speed means restore all.
+        """
+        if not prefill_tok_s:
+            return lookup
+        best, best_gain, gain = 0, 0.0, 0.0
+        for n, hit in enumerate(lookup.hits, 1):
+            restore_s = hit.use_tokens * self.layout.bytes_per_token / self.store.rates[hit.tier].bytes_per_s
+            gain += hit.use_tokens / prefill_tok_s - restore_s
+            if gain > best_gain:
+                best, best_gain = n, gain
+        if best < len(lookup.hits):
+            self.counters["recompute_chosen"] += 1
+        return lookup.truncated(best)
+
+    def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP) -> int:
+        """Reads the SSD blocks of the prompt's cached prefix into host RAM; returns how many."""
+        lookup = self.lookup(tokens, tenant=tenant)
+        wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
+        return self.store.prefetch(wanted, group=self.space(tenant).group) if wanted else 0
+
+    def restore(self, lookup: Lookup, *, prompt_tokens: int) -> Restored:
+        """Returns a ready prompt cache holding the looked-up prefix (engine thread only)."""
+        group = self.space(lookup.tenant).group
+        blocks, tiers, used = [], Counter(), 0
+        for hit in lookup.hits:
+            got = self.store.fetch(hit.key, group=group, parent=hit.parent, tokens=hit.tokens)
+            if got is None:
+                break  # lost or corrupt since the lookup: restore what precedes it
+            blocks.append(got[0])
+            tiers[got[1]] += hit.use_tokens
+            used += hit.use_tokens
+        self.counters["lookups"] += 1
+        self.counters["prompt_tokens"] += prompt_tokens
+        self.counters["hit_tokens"] += used
+        self.counters["hits" if used else "misses"] += 1
+        if not blocks:
+            return Restored(None, 0, {})
+        return Restored(build_cache(blocks, used), used, dict(tiers))
+
+    def save(self, cache: list[KVCache], tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+             skip_tokens: int = 0) -> int:
+        """Stores the blocks of `tokens` that `cache` holds and the store lacks; returns how many."""
+        space = self.space(tenant)
+        tokens = list(tokens)[: cache[0].offset] if cache and cache[0].keys is not None else []
+        if not tokens:
+            return 0
+        blocks = cut_blocks(cache, tokens, space, skip_tokens=skip_tokens,
+                            is_known=lambda key: self.store.tier_of(key, space.group) is not None)
+        self.store.save(blocks, group=space.group)
+        self.counters["saved_blocks"] += len(blocks)
+        return len(blocks)
+
+    def stats(self) -> dict:
+        c = self.counters
+        prompt = c["prompt_tokens"]
+        return {**dict(c), "hit_ratio": round(c["hit_tokens"] / prompt, 4) if prompt else None,
+                "block_tokens": self.block_tokens, "bytes_per_token": self.layout.bytes_per_token,
+                "group": self.group_prefix}

@@ -1,0 +1,231 @@
+"""The tiered KV store: memory (MLX arrays) -> host (bytes in RAM) -> SSD (files), one per process.
+
+Blocks enter the memory tier and are written through to the SSD behind the request.
+Under pressure memory demotes to host and host drops what the SSD already holds (or
+hands it to the SSD writer). A hit promotes its block back to memory. On unified-memory
+machines (Apple Silicon, CPUs) "memory" and "host" are the same RAM: host blocks are
+serialized copies, and a block lives in one of the two, never both, so the budgets add up.
+
+MLX work (building arrays) happens on the calling engine thread; `prefetch` only reads
+files into the host tier, so it is safe on an I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from appliance.cache.block import Block
+from appliance.cache.kv import KVBlock, from_payload, to_payload
+from appliance.cache.lru import LruTier
+from appliance.cache.ssd import SsdTier
+from appliance.cache.writer import SsdWriter
+
+log = logging.getLogger("omlx.cache")
+
+MEMORY, HOST, SSD = "memory", "host", "ssd"
+# Until measured, assume restores run at these speeds (bytes/s): conservative for SSDs.
+DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9}
+WRITER_PENDING_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    key: bytes
+    parent: bytes
+    group: str
+    tokens: tuple[int, ...]
+    meta: dict
+    payload: np.ndarray  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+
+@dataclass(frozen=True)
+class StoredKV:
+    """A memory-tier entry: the block and the group it belongs to."""
+
+    block: KVBlock
+    group: str
+
+
+class Rate:
+    """Measured restore throughput of a tier (bytes/s), an exponential moving average."""
+
+    def __init__(self, default: float):
+        self.default = default
+        self.value: float | None = None
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes < (1 << 20):  # tiny reads measure overheads, not bandwidth
+            return
+        sample = nbytes / seconds
+        self.value = sample if self.value is None else 0.7 * self.value + 0.3 * sample
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.value or self.default
+
+
+class KVStore:
+    def __init__(self, *, root: Path, memory_bytes: int, host_bytes: int, ssd_bytes: int):
+        self.memory: LruTier[StoredKV] = LruTier(MEMORY, memory_bytes)
+        self.host: LruTier[HostBlock] = LruTier(HOST, host_bytes)
+        self.rates = {tier: Rate(r) for tier, r in DEFAULT_RATES.items()}
+        self.ssd: SsdTier | None = None
+        self.writer: SsdWriter | None = None
+        self.ssd_error: str | None = None
+        self._lock = threading.Lock()
+        self._open_ssd(root, ssd_bytes)
+
+    def _open_ssd(self, root: Path, ssd_bytes: int) -> None:
+        try:
+            self.ssd = SsdTier(root, budget_bytes=ssd_bytes)
+            self.writer = SsdWriter(self.ssd, max_pending_bytes=WRITER_PENDING_BYTES)
+        except Exception as e:  # another process holds the dir, or it is unusable
+            self.ssd_error = f"SSD tier disabled: {e}"
+            log.warning("%s (root %s); serving continues with memory and host tiers", self.ssd_error, root)
+
+    # --- lookup ----------------------------------------------------------------------
+
+    def tier_of(self, key: bytes, group: str) -> str | None:
+        """Returns the fastest tier holding the block, without touching recency."""
+        if key in self.memory:
+            return MEMORY
+        if key in self.host:
+            return HOST
+        if self.ssd is not None and self.ssd.contains(key, group=group):
+            return SSD
+        return None
+
+    def fetch(self, key: bytes, *, group: str, parent: bytes, tokens: tuple[int, ...]) -> tuple[KVBlock, str] | None:
+        """Returns the block and the tier it came from, promoted to memory; None when lost."""
+        entry = self.memory.get(key)
+        if entry is not None and entry.block.tokens == tokens:
+            return entry.block, MEMORY
+        started = time.perf_counter()
+        host = self.host.pop(key)
+        tier = HOST
+        if host is None or host.tokens != tokens:
+            host, tier = self._read_ssd(key, group, tokens), SSD
+        if host is None:
+            return None
+        try:
+            block = from_payload(key, parent, tokens, host.meta, host.payload)
+        except (KeyError, ValueError, AttributeError) as e:
+            log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
+            return None
+        self.rates[tier].add(block.nbytes, time.perf_counter() - started)
+        self.put_memory(block, group)
+        return block, tier
+
+    def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, group: str) -> int:
+        """Reads SSD-only blocks into the host tier (no MLX work); returns how many."""
+        count = 0
+        for key, tokens in keys:
+            if key in self.memory or key in self.host:
+                continue
+            started = time.perf_counter()
+            host = self._read_ssd(key, group, tokens)
+            if host is None:
+                break  # the chain is broken here: later blocks are useless
+            self.rates[SSD].add(host.nbytes, time.perf_counter() - started)
+            self._put_host(host)
+            count += 1
+        return count
+
+    def _read_ssd(self, key: bytes, group: str, tokens: tuple[int, ...]) -> HostBlock | None:
+        if self.ssd is None:
+            return None
+        block = self.ssd.get(key, group=group, tokens=tokens)
+        if block is None:
+            return None
+        payload = np.frombuffer(block.payload, dtype=np.uint8)
+        return HostBlock(block.key, block.parent or b"", block.group, block.tokens, block.meta, payload)
+
+    # --- store -----------------------------------------------------------------------
+
+    def save(self, blocks: list[KVBlock], *, group: str) -> None:
+        """Puts new blocks in memory and writes them through to the SSD behind the request."""
+        for block in blocks:
+            self.put_memory(block, group)
+            if self.writer is not None:
+                meta, payload = to_payload(block)
+                self.writer.submit(Block(block.key, block.parent, group, block.tokens, meta, payload))
+
+    def put_memory(self, block: KVBlock, group: str) -> None:
+        for _, evicted in self.memory.put(block.key, StoredKV(block, group), block.nbytes):
+            self._demote(evicted)
+
+    def _demote(self, entry: StoredKV) -> None:
+        meta, payload = to_payload(entry.block)
+        b = entry.block
+        self._put_host(HostBlock(b.key, b.parent, entry.group, b.tokens, meta,
+                                 np.frombuffer(payload, dtype=np.uint8)))
+
+    def _put_host(self, host: HostBlock) -> None:
+        for _, evicted in self.host.put(host.key, host, host.nbytes):
+            self._spill(evicted)
+
+    def _spill(self, host: HostBlock) -> None:
+        """Hands a block leaving RAM to the SSD unless it is there or on its way."""
+        if self.ssd is None or self.writer is None:
+            return
+        if self.ssd.contains(host.key, group=host.group) or self.writer.is_pending(host.key, group=host.group):
+            return
+        self.writer.submit(Block(host.key, host.parent, host.group, host.tokens, host.meta, host.payload.data))
+
+    # --- management ------------------------------------------------------------------
+
+    def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:
+        """Applies new budgets; lower ones evict at once (memory demotes to host)."""
+        for _, evicted in self.memory.resize(memory_bytes):
+            self._demote(evicted)
+        for _, evicted in self.host.resize(host_bytes):
+            self._spill(evicted)
+        if self.ssd is not None:
+            self.ssd.resize(ssd_bytes)
+
+    def clear(self, group_prefix: str | None = None) -> int:
+        """Removes the blocks of groups under `group_prefix` (all when None); returns how many."""
+        def doomed(group: str) -> bool:
+            return group_prefix is None or group == group_prefix or group.startswith(group_prefix + "/")
+
+        if self.writer is not None:
+            self.writer.flush(timeout_s=30)
+        count = self.memory.remove_if(lambda e: doomed(e.group))
+        count += self.host.remove_if(lambda h: doomed(h.group))
+        if self.ssd is not None:
+            count += self.ssd.clear(group_prefix)
+        return count
+
+    def flush(self, timeout_s: float = 30) -> bool:
+        """Waits until every queued SSD write is done; returns whether it finished in time."""
+        return self.writer.flush(timeout_s) if self.writer is not None else True
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.ssd is not None:
+            self.ssd.close()
+
+    def stats(self) -> dict:
+        def rate(tier: str) -> float | None:
+            value = self.rates[tier].value
+            return None if value is None else round(value / 1e9, 3)
+
+        ssd = self.ssd.stats() if self.ssd is not None else {"disabled": True, "disabled_reason": self.ssd_error}
+        if self.writer is not None:
+            ssd["writer"] = self.writer.stats()
+        return {
+            MEMORY: {**self.memory.stats(), "restore_gbps": rate(MEMORY)},
+            HOST: {**self.host.stats(), "restore_gbps": rate(HOST)},
+            SSD: {**ssd, "restore_gbps": rate(SSD)},
+        }

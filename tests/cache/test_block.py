@@ -1,0 +1,130 @@
+import struct
+from array import array
+
+import orjson
+import pytest
+
+from appliance.cache.block import (MAGIC, PAYLOAD_ALIGN, PRELUDE, Block, BlockError, decode,
+                                   encode_head, is_valid_group, relative_path)
+
+KEY = bytes(range(32))
+GROUP = "a1b2c3d4e5f6a7b8/default"
+
+
+def block(payload: bytes | memoryview = b"kv" * 1000, tokens=(1, 2, 3)) -> Block:
+    return Block(key=KEY, parent=b"\x01" * 32, group=GROUP, tokens=tokens,
+                 meta={"dtype": "float32", "layers": 30}, payload=payload)
+
+
+def file_bytes(b: Block) -> bytes:
+    return encode_head(b) + bytes(b.payload)
+
+
+def reason(data: bytes, **kw) -> str:
+    args = {"key": KEY, "group": GROUP, "tokens": (1, 2, 3), **kw}
+    with pytest.raises(BlockError) as e:
+        decode(memoryview(data), **args)
+    return e.value.reason
+
+
+def test_round_trip_keeps_every_field():
+    b = block()
+    back = decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    assert back == b
+    assert bytes(back.payload) == bytes(b.payload)
+    assert back.meta == {"dtype": "float32", "layers": 30}
+    assert back.parent == b"\x01" * 32
+
+
+def test_first_block_has_no_parent():
+    b = Block(key=KEY, parent=None, group=GROUP, tokens=(7,), meta={}, payload=b"x")
+    assert decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(7,)).parent is None
+
+
+def test_payload_starts_aligned_and_is_a_zero_copy_view():
+    head = encode_head(block())
+    assert len(head) % PAYLOAD_ALIGN == 0
+    data = bytearray(file_bytes(block()))
+    back = decode(memoryview(data), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    data[len(head)] ^= 0xFF  # the view sees writes to the buffer it came from
+    assert back.payload[0] == data[len(head)]
+
+
+def test_memoryview_payload_counts_bytes_not_items():
+    floats = memoryview(array("f", [1.0] * 100))
+    b = block(payload=floats)
+    assert b.payload_nbytes == 400
+    back = decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    assert bytes(back.payload) == floats.tobytes()
+
+
+def test_bad_magic_is_corrupt():
+    data = bytearray(file_bytes(block()))
+    data[0:8] = b"NOTOMLX!"
+    assert reason(bytes(data)) == "corrupt"
+
+
+def test_unknown_version_is_its_own_reason():
+    data = bytearray(file_bytes(block()))
+    struct.pack_into("<I", data, 8, 99)
+    assert reason(bytes(data)) == "version"
+
+
+def test_short_files_are_truncated():
+    data = file_bytes(block())
+    assert reason(data[:10]) == "truncated"
+    assert reason(data[:PRELUDE.size + 5]) == "truncated"
+    assert reason(data[:-1]) == "truncated"
+
+
+def test_trailing_bytes_are_corrupt():
+    assert reason(file_bytes(block()) + b"\0") == "corrupt"
+
+
+def test_flipped_payload_byte_is_corrupt():
+    data = bytearray(file_bytes(block()))
+    data[-7] ^= 0x01
+    assert reason(bytes(data)) == "corrupt"
+
+
+def test_other_key_or_group_is_foreign():
+    data = file_bytes(block())
+    assert reason(data, key=b"\xff" * 32) == "foreign"
+    assert reason(data, group="other/default") == "foreign"
+
+
+def test_tokens_are_compared_unless_none():
+    data = file_bytes(block())
+    assert reason(data, tokens=(1, 2, 4)) == "token_mismatch"
+    assert decode(memoryview(data), key=KEY, group=GROUP, tokens=None).tokens == (1, 2, 3)
+
+
+def test_checksum_covers_tokens():
+    # Rewrite the header with other token ids but the old checksum: the edit is caught.
+    data = file_bytes(block())
+    _, _, header_nbytes = PRELUDE.unpack_from(data)
+    header = orjson.loads(data[PRELUDE.size:PRELUDE.size + header_nbytes])
+    header["tokens"] = [1, 2, 4]
+    raw = orjson.dumps(header)
+    raw += b" " * (header_nbytes - len(raw))
+    edited = PRELUDE.pack(MAGIC, 1, header_nbytes) + raw + data[PRELUDE.size + header_nbytes:]
+    assert reason(edited, tokens=(1, 2, 4)) == "corrupt"
+
+
+def test_garbage_header_is_corrupt():
+    data = bytearray(file_bytes(block()))
+    data[PRELUDE.size:PRELUDE.size + 4] = b"\xff\xfe{["
+    assert reason(bytes(data)) == "corrupt"
+
+
+def test_group_must_be_a_safe_relative_path():
+    assert is_valid_group("a1b2c3d4e5f6a7b8/default")
+    assert is_valid_group("m.v2/tenant_1-x")
+    for bad in ("", "/abs", "a/../b", "..", "a//b", "a/.hidden", "a b", "a/"):
+        assert not is_valid_group(bad), bad
+        with pytest.raises(ValueError):
+            Block(key=KEY, parent=None, group=bad, tokens=(), meta={}, payload=b"")
+
+
+def test_relative_path_shards_by_first_key_byte():
+    assert relative_path("g/t", KEY) == f"g/t/00/{KEY.hex()}.kv"
