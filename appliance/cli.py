@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from appliance import cli_cache
 from appliance.config import ConfigError, dump_toml, load_spec
 
 DEFAULT_CONFIG = "omlx.toml"
@@ -28,6 +29,8 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the models of a config over HTTP")
     serve.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
     serve.set_defaults(run=run_serve)
+
+    cli_cache.add_parser(sub, print_errors)
     return p
 
 

@@ -6,9 +6,9 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.cache.kv import probe_layout
 from appliance.cache.model_cache import ModelCache
@@ -153,6 +153,23 @@ class Appliance:
         models = {name: e.engine.cache.stats() for name, e in self.models.items()
                   if e.engine is not None and e.engine.cache is not None}
         return {"block_tokens": self.spec.cache.block_tokens, "tiers": tiers, "models": models}
+
+    def _ssd(self):
+        if self.store is None or self.store.ssd is None:
+            raise ModelUnavailable(f"the SSD cache tier is not available: {self.store and self.store.ssd_error}")
+        self.store.flush(timeout_s=60)
+        return self.store.ssd
+
+    def export_cache(self, model: str | None, path: Path) -> int:
+        """Writes the model's (default tenant's) SSD blocks to an archive; returns how many."""
+        entry = self.resolve(model)
+        if entry.engine is None or entry.engine.cache is None:
+            raise ModelUnavailable(f"model {entry.spec.name} has no cache to export (state {entry.state})")
+        return self._ssd().export(f"{entry.engine.cache.group_prefix}/default", path)
+
+    def import_cache(self, path: Path) -> int:
+        """Verifies and stores the blocks of an archive; returns how many were imported."""
+        return self._ssd().import_archive(path)
 
     def clear_cache(self, model: str | None = None) -> int:
         """Removes cached blocks of one model (all tenants) or of everything; returns how many."""

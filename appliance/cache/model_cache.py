@@ -105,7 +105,7 @@ class ModelCache:
                 break
         return Lookup(tuple(hits), tenant)
 
-    def worth_restoring(self, lookup: Lookup, *, prefill_tok_s: float | None) -> Lookup:
+    def worth_restoring(self, lookup: Lookup, *, prefill_tok_s: float | None, count: bool = True) -> Lookup:
         """Returns the prefix of `lookup` whose restore beats recomputing it the most.
 
         Each block's restore time comes from its tier's measured bandwidth, its recompute
@@ -119,13 +119,15 @@ class ModelCache:
             gain += hit.use_tokens / prefill_tok_s - restore_s
             if gain > best_gain:
                 best, best_gain = n, gain
-        if best < len(lookup.hits):
+        if best < len(lookup.hits) and count:
             self.counters["recompute_chosen"] += 1
         return lookup.truncated(best)
 
-    def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP) -> int:
-        """Reads the SSD blocks of the prompt's cached prefix into host RAM; returns how many."""
-        lookup = self.lookup(tokens, tenant=tenant)
+    def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+                 prefill_tok_s: float | None = None) -> int:
+        """Reads the SSD blocks worth restoring into host RAM; returns how many."""
+        lookup = self.worth_restoring(self.lookup(tokens, tenant=tenant), prefill_tok_s=prefill_tok_s,
+                                      count=False)
         wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
         return self.store.prefetch(wanted, group=self.space(tenant).group) if wanted else 0
 

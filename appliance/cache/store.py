@@ -42,6 +42,7 @@ class HostBlock:
     tokens: tuple[int, ...]
     meta: dict
     payload: np.ndarray  # uint8
+    origin: str = HOST  # SSD when prefetched: hits are reported by where the bytes came from
 
     @property
     def nbytes(self) -> int:
@@ -111,10 +112,9 @@ class KVStore:
         if entry is not None and entry.block.tokens == tokens:
             return entry.block, MEMORY
         started = time.perf_counter()
-        host = self.host.pop(key)
-        tier = HOST
+        host, measured = self.host.pop(key), HOST
         if host is None or host.tokens != tokens:
-            host, tier = self._read_ssd(key, group, tokens), SSD
+            host, measured = self._read_ssd(key, group, tokens), SSD
         if host is None:
             return None
         try:
@@ -122,9 +122,9 @@ class KVStore:
         except (KeyError, ValueError, AttributeError) as e:
             log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
             return None
-        self.rates[tier].add(block.nbytes, time.perf_counter() - started)
+        self.rates[measured].add(block.nbytes, time.perf_counter() - started)
         self.put_memory(block, group)
-        return block, tier
+        return block, host.origin
 
     def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, group: str) -> int:
         """Reads SSD-only blocks into the host tier (no MLX work); returns how many."""
@@ -148,7 +148,8 @@ class KVStore:
         if block is None:
             return None
         payload = np.frombuffer(block.payload, dtype=np.uint8)
-        return HostBlock(block.key, block.parent or b"", block.group, block.tokens, block.meta, payload)
+        return HostBlock(block.key, block.parent or b"", block.group, block.tokens, block.meta, payload,
+                         origin=SSD)
 
     # --- store -----------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ class Engine:
             if self.cache is not None and self._prefetcher is not None:
                 # SSD reads start now, not when the request reaches the front of the queue.
                 slot.prefetch = self._prefetcher.submit(
-                    self.cache.prefetch, request.prompt_tokens, tenant=request.cache_group)
+                    self.cache.prefetch, request.prompt_tokens, tenant=request.cache_group,
+                    prefill_tok_s=self.prefill_tok_s)
                 slot.prefetch.add_done_callback(lambda _: self._wake())
             self._num_live += 1
             self._commands.submitted.append(slot)

@@ -1,0 +1,184 @@
+"""The cache with the real model in process: restores are exact, from every tier, across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from appliance.cache.kv import probe_layout
+from appliance.cache.model_cache import ModelCache, tenant_group
+from appliance.cache.store import KVStore
+from appliance.engine.engine import Engine
+from appliance.engine.request import Delta, GenerationRequest, SamplingParams
+from appliance.spec import BatchingSpec
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 64
+MIB = 1 << 20
+CONTEXT = (Path(__file__).resolve().parents[2] / "appliance" / "cache" / "store.py").read_text()[:1500]
+
+
+class Rig:
+    """An engine over a KV store rooted in `root`, with the given tier budgets."""
+
+    def __init__(self, loaded, root: Path, *, memory: int = 256 * MIB, host: int = 256 * MIB,
+                 ssd: int = 1 << 30):
+        self.loaded = loaded
+        self.store = KVStore(root=root, memory_bytes=memory, host_bytes=host, ssd_bytes=ssd)
+        self.cache = ModelCache(self.store, weights="ab" * 32, compute_dtype="float32",
+                                layout=probe_layout(loaded.model), block_tokens=BLOCK)
+        self.pool = ThreadPoolExecutor(2)
+        self.engine = Engine(loaded, BatchingSpec(max_running=4, max_queued=4, prefill_chunk_tokens=64),
+                             cache=self.cache, prefetcher=self.pool).start()
+
+    def prompt(self, question: str, context: str = CONTEXT) -> tuple[int, ...]:
+        return tuple(self.loaded.encode_chat([
+            {"role": "system", "content": f"You review this code:\n{context}"},
+            {"role": "user", "content": question}]))
+
+    def run(self, *prompts: tuple[int, ...], group: str = "default") -> list[dict]:
+        async def one(p):
+            handle = self.engine.submit(GenerationRequest(
+                prompt_tokens=p, max_tokens=8, sampling=SamplingParams(temperature=0), cache_group=group))
+            tokens = []
+            async for event in handle:
+                if isinstance(event, Delta):
+                    tokens += event.token_ids
+            return {"tokens": tokens, "cached": handle.stats.cached_tokens,
+                    "tiers": handle.stats.cached_by_tier, "prompt": len(p)}
+
+        async def all_of():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        return asyncio.run(all_of())
+
+    def close(self) -> None:
+        self.engine.stop(drain_s=0)
+        self.store.flush()
+        self.store.close()
+        self.pool.shutdown()
+
+
+@pytest.fixture
+def rigs(loaded_model):
+    made: list[Rig] = []
+
+    def make(root: Path, **budgets) -> Rig:
+        rig = Rig(loaded_model, root, **budgets)
+        made.append(rig)
+        return rig
+
+    yield make
+    for rig in made:
+        rig.close()
+
+
+@pytest.mark.parametrize("tier, budgets", [
+    ("memory", {}),
+    ("host", {"memory": 0}),
+    ("ssd", {"memory": 0, "host": 0}),
+])
+def test_restored_prefix_gives_the_cold_tokens_from_each_tier(rigs, tmp_path, tier, budgets):
+    rig = rigs(tmp_path / "kv", **budgets)
+    prompt = rig.prompt("What does this code do?")
+    (cold,) = rig.run(prompt)
+    rig.store.flush()
+    (warm,) = rig.run(prompt)
+    assert cold["cached"] == 0
+    assert warm["cached"] == len(prompt) - 1
+    assert warm["tiers"] == {tier: len(prompt) - 1}
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_restart_restores_from_the_ssd(rigs, tmp_path):
+    first = rigs(tmp_path / "kv")
+    prompt = first.prompt("List the classes defined here.")
+    (cold,) = first.run(prompt)
+    first.close()
+    second = rigs(tmp_path / "kv")
+    (warm,) = second.run(prompt)
+    assert warm["tiers"] == {"ssd": len(prompt) - 1}
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_a_longer_prompt_restores_the_shared_prefix(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv")
+    short = rig.prompt("Summarize.")
+    (first,) = rig.run(short)
+    turn2 = rig.prompt("Summarize.") + tuple(first["tokens"]) + rig.prompt("And now in French.")[-12:]
+    (second,) = rig.run(turn2)
+    assert second["cached"] >= len(short) - 1
+    alone = rigs(tmp_path / "cold")
+    (cold,) = alone.run(turn2)
+    assert second["tokens"] == cold["tokens"]
+
+
+def test_budgets_are_never_exceeded_and_demotion_keeps_blocks(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv", memory=8 * MIB, host=8 * MIB, ssd=40 * MIB)
+    prompts = [rig.prompt(q, context=CONTEXT[i * 100:]) for i, q in enumerate(["A?", "B?", "C?"])]
+    for p in prompts:
+        rig.run(p)
+    rig.store.flush()
+    stats = rig.store.stats()
+    for tier in ("memory", "host", "ssd"):
+        assert stats[tier]["bytes"] <= stats[tier]["budget_bytes"], tier
+    assert stats["memory"]["evictions"] > 0 and stats["host"]["blocks"] > 0
+    rig.store.resize(memory_bytes=3 * MIB, host_bytes=0, ssd_bytes=12 * MIB)
+    stats = rig.store.stats()
+    assert stats["memory"]["bytes"] <= 3 * MIB and stats["host"]["bytes"] == 0
+    assert stats["ssd"]["bytes"] <= 12 * MIB and stats["ssd"]["evictions"] > 0
+
+
+def test_a_flipped_byte_is_a_miss_not_wrong_output(rigs, tmp_path):
+    first = rigs(tmp_path / "kv")
+    prompt = first.prompt("Find a bug.")
+    (cold,) = first.run(prompt)
+    first.close()
+    files = sorted((tmp_path / "kv").rglob("*.kv"), key=lambda f: f.stat().st_mtime_ns)
+    victim = files[1]  # the second block of the chain
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    second = rigs(tmp_path / "kv")
+    (warm,) = second.run(prompt)
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["cached"] < len(prompt) - 1
+    assert second.store.stats()["ssd"]["misses"].get("corrupt") == 1
+    second.close()  # the recompute wrote the block again, correct this time
+    (healed,) = rigs(tmp_path / "kv").run(prompt)
+    assert healed["cached"] == len(prompt) - 1 and healed["tokens"] == cold["tokens"]
+
+
+def test_concurrent_requests_sharing_a_prefix(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv")
+    a, b = rig.prompt("What does this code do?"), rig.prompt("Who wrote this code?")
+    together = rig.run(a, b)
+    cold = rigs(tmp_path / "cold")
+    assert [r["tokens"] for r in together] == [cold.run(a)[0]["tokens"], cold.run(b)[0]["tokens"]]
+    (later,) = rig.run(rig.prompt("Is this code tested?"))
+    assert later["cached"] >= (len(a) - 20) // BLOCK * BLOCK  # the shared system prompt's blocks
+
+
+def test_cache_groups_never_share_blocks(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv")
+    prompt = rig.prompt("Explain the eviction policy.")
+    alice, bob = tenant_group("alice"), tenant_group("bob")
+    assert rig.run(prompt, group=alice)[0]["cached"] == 0
+    assert rig.run(prompt, group=bob)[0]["cached"] == 0
+    assert rig.run(prompt, group=alice)[0]["cached"] == len(prompt) - 1
+
+
+def test_restore_is_skipped_when_recomputing_is_faster(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv", memory=0, host=0)
+    prompt = rig.prompt("What is tested?")
+    rig.run(prompt)
+    rig.store.flush()
+    rig.store.rates["ssd"].value = 1.0  # an absurdly slow disk: 1 byte/s
+    rig.engine.prefill_tok_s = 100.0
+    (warm,) = rig.run(prompt)
+    assert warm["cached"] == 0
+    assert rig.cache.counters["recompute_chosen"] == 1
