@@ -1,8 +1,8 @@
-"""The engine: one thread per model running mlx-lm's continuous batching.
+"""The engine: one thread per model running continuous batching (see scheduler.py).
 
 Requests join the running batch at any step and leave when done; prefill runs in
-chunks of `prefill_chunk_tokens`, one chunk per step between decode steps, so a long
-prompt never stalls streams already generating. All MLX work happens on the engine's
+chunks of `prefill_chunk_tokens`, shortest prompt first, between decode steps, so a
+long prompt never stalls streams already generating. All MLX work happens on the engine's
 own thread; the asyncio side only submits, cancels and reads events.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from appliance.cache.model_cache import ModelCache
 from appliance.engine.request import Finished, GenerationRequest, RequestStats
+from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
 from appliance.spec import BatchingSpec
@@ -92,7 +93,7 @@ class Engine:
         self._stopping = False
         self._waiting: deque[Slot] = deque()  # engine thread only
         self._running: dict[int, Slot] = {}  # engine thread only: uid -> slot
-        self._batch: Any = None
+        self._batch: Scheduler | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{loaded.name}", daemon=True)
 
     # --- asyncio side -------------------------------------------------------------------
@@ -193,15 +194,8 @@ class Engine:
             self._wakeups = 0
             return commands
 
-    def _new_batch(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
-        return BatchGenerator(
-            self.loaded.model,
-            completion_batch_size=self.limits.max_running,
-            prefill_batch_size=min(self.limits.max_running, 8),
-            prefill_step_size=self.limits.prefill_chunk_tokens,
-        )
+    def _new_batch(self) -> Scheduler:
+        return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens)
 
     def _admit(self) -> None:
         """Moves waiting requests into the batch, oldest first, once their prefetch is done."""
@@ -213,7 +207,7 @@ class Engine:
             self._waiting.remove(slot)
             restored = self._restore(slot)
             try:
-                slot.uid = self._batch.insert(**slot.insert_args(restored))[0]
+                slot.uid = self._batch.insert(**slot.insert_args(restored))
             except Exception as e:
                 log.exception("could not admit a request on model %s", self.loaded.name)
                 self._finish(slot, "error", error=f"could not start generation: {e}")
@@ -248,7 +242,7 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            prompt_responses, generation_responses = self._batch.next()
+            prefilled, generated = self._batch.step()
         except Exception as e:  # an MLX failure fails this batch, not the engine
             log.exception("engine step failed on model %s", self.loaded.name)
             for slot in list(self._running.values()):
@@ -257,20 +251,20 @@ class Engine:
             self._batch = self._new_batch()
             return
         now = time.perf_counter()
-        for r in prompt_responses:
-            slot = self._running.get(r.uid)
-            if slot is not None and r.end_of_prompt:
+        for uid in prefilled:
+            slot = self._running.get(uid)
+            if slot is not None:
                 self._prefilled(slot, now)
-        for r in generation_responses:
+        for r in generated:
             slot = self._running.get(r.uid)
             if slot is None:
                 continue
             events, reason = slot.on_token(r.token, r.logprobs, r.finish_reason)
             if reason is not None:
-                if r.finish_reason is None:  # a stop string: mlx-lm still holds it
+                if r.finish_reason is None:  # a stop string: the scheduler still holds it
                     self._remove(slot)
                 else:
-                    self._save(slot, r.prompt_cache, r.all_tokens)
+                    self._save(slot, r.cache, r.tokens)
                 del self._running[r.uid]
                 events.append(self._finished(slot, reason))
             slot.handle._push(events)
@@ -284,13 +278,11 @@ class Engine:
             rate = computed / (now - stats.admitted_at)
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
         if self.cache is not None:
-            self._save(slot, *self._batch.extract_cache([slot.uid]).get(slot.uid, (None, None)))
+            self._save(slot, *self._batch.extract(slot.uid))
 
     def _remove(self, slot: Slot) -> None:
         """Takes a request out of the batch, keeping its KV."""
-        caches = self._batch.remove([slot.uid], return_prompt_caches=self.cache is not None)
-        if slot.uid in caches:
-            self._save(slot, *caches[slot.uid])
+        self._save(slot, *self._batch.remove(slot.uid, keep_cache=self.cache is not None))
 
     def _drop(self, slot: Slot, reason: str) -> None:
         if slot.done:

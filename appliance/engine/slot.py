@@ -28,18 +28,17 @@ class Slot:
         self._stops = StopMatcher(request.stop)
 
     def insert_args(self, restored: Any = None) -> dict:
-        """Returns the keyword arguments of BatchGenerator.insert, after a restored prefix."""
+        """Returns the keyword arguments of Scheduler.insert, after a restored prefix."""
         r = self.request
         n = restored.num_tokens if restored is not None and restored.cache is not None else 0
         return {
-            "prompts": [list(r.prompt_tokens[n:])],
-            "caches": [restored.cache] if n else None,
-            # mlx-lm keeps the tokens its cache holds: the restored ones come first.
-            "all_tokens": [list(r.prompt_tokens[:n])],
-            "max_tokens": [r.max_tokens],
-            "samplers": [make_sampler(r.sampling)],
-            "logits_processors": [make_processors(r.sampling)],
-            "stop_sequences": [StopSequences([[t] for t in sorted(self._stop_ids)])],
+            "prompt": list(r.prompt_tokens[n:]),
+            "cache": restored.cache if n else None,
+            "cached_tokens": list(r.prompt_tokens[:n]),
+            "max_tokens": r.max_tokens,
+            "sampler": make_sampler(r.sampling),
+            "processors": make_processors(r.sampling),
+            "stop": StopSequences([[t] for t in sorted(self._stop_ids)]),
         }
 
     def on_token(self, token: int, logprobs: mx.array, finish_reason: str | None
