@@ -30,6 +30,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
     serve.set_defaults(run=run_serve)
 
+    diff = sub.add_parser("diff", help="print what applying the config would change on the running server")
+    diff.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
+    diff.set_defaults(run=run_diff)
+
     cli_cache.add_parser(sub, print_errors)
     return p
 
@@ -56,6 +60,33 @@ def run_serve(args: argparse.Namespace) -> int:
     from appliance.server.runner import serve
 
     return serve(loaded)
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """Prints the plan between the running server's applied spec and the file; applies nothing."""
+    import httpx
+
+    from appliance.reconcile.plan import plan
+    from appliance.spec import Spec
+
+    try:
+        desired = load_spec(args.config)
+    except ConfigError as e:
+        print_errors(e, args.config)
+        return 1
+    server = desired.spec.server
+    try:
+        applied = httpx.get(f"http://{server.host}:{server.port}/admin/api/config", timeout=30).json()
+    except httpx.HTTPError as e:
+        print(f"omlx diff: no server answers on {server.host}:{server.port} ({e})", file=sys.stderr)
+        return 1
+    actions = plan(Spec(**applied["spec"]), desired.spec)
+    print(f"applied {applied['hash']} -> file {desired.spec.hash}")
+    for action in actions:
+        print(f"  {action.describe()}")
+    if not actions:
+        print("  (no changes)")
+    return 0
 
 
 def print_errors(error: ConfigError, config: str | Path) -> None:

@@ -170,3 +170,28 @@ def toml_path(loc: tuple) -> str:
 def dump_toml(spec: Spec) -> str:
     """Returns the fully resolved spec as TOML text."""
     return tomli_w.dumps(spec.to_data())
+
+
+def write_config(path: Path, data: dict[str, Any]) -> LoadedConfig:
+    """Validates `data` as the config at `path` (profiles and env included) and writes it
+    atomically; returns the loaded result. Raises ConfigError and leaves the file as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.pending-{os.getpid()}")  # not *.toml: the watcher ignores it
+    try:
+        tmp.write_text(tomli_w.dumps(data))
+        loaded = load_spec_as(tmp, path)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return loaded
+    except (TypeError, ValueError) as e:
+        raise ConfigError([ConfigIssue("", f"cannot be written as TOML: {e}")], file=path) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_spec_as(candidate: Path, path: Path) -> LoadedConfig:
+    """Returns `candidate` loaded as if it were the file at `path` (same profiles, same dir)."""
+    loaded = load_spec(candidate)
+    return LoadedConfig(spec=loaded.spec, path=Path(path).resolve(),
+                        files=(Path(path).resolve(), *loaded.files[1:]))

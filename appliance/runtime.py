@@ -17,7 +17,8 @@ from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
 from appliance.models.fingerprint import weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
-from appliance.spec import ModelSpec
+from appliance.models.memory import check_memory
+from appliance.spec import CacheSpec, ModelSpec
 
 log = logging.getLogger("omlx.runtime")
 
@@ -39,7 +40,7 @@ class ModelUnavailable(Exception):
 @dataclass
 class ModelEntry:
     spec: ModelSpec
-    state: str = "pending"  # pending | loading | ready | failed | stopped
+    state: str = "pending"  # pending | loading | ready | failed | stopping | stopped
     engine: Engine | None = None
     error: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
@@ -55,6 +56,8 @@ class ModelEntry:
             "dtype": loaded.dtype if loaded else None,
             "context_tokens": loaded.context_tokens if loaded else None,
             "load_s": round(loaded.load_s, 3) if loaded else None,
+            "loaded_at": loaded.loaded_at if loaded else None,
+            "limits": self.engine.limits.model_dump() if self.engine else None,
             "live_requests": self.engine.num_live if self.engine else 0,
             "recent_requests": [r.to_data() for r in list(self.engine.recent)[-RECENT_SHOWN:]]
             if self.engine else [],
@@ -71,6 +74,7 @@ class Appliance:
         self.models = {m.name: ModelEntry(m) for m in config.spec.models}
         self._loader: threading.Thread | None = None
         self.store: KVStore | None = None
+        self.loaded = threading.Event()  # the first load of every model is over
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
 
     @property
@@ -86,31 +90,49 @@ class Appliance:
         return self.spec.cache.path(self.config.base_dir)
 
     def _load_all(self) -> None:
-        cache = self.spec.cache
-        self.store = KVStore(root=self.cache_dir / "kv", memory_bytes=cache.memory_bytes,
-                             host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
+        self.store = self.open_store(self.spec.cache, self.cache_dir)
         for entry in self.models.values():
-            entry.state = "loading"
-            try:
-                loaded = load_model(entry.spec, base_dir=self.config.base_dir, cache_dir=self.cache_dir)
-                entry.engine = Engine(loaded, self.spec.batching, cache=self._model_cache(loaded),
-                                      prefetcher=self._prefetcher).start()
-                entry.state = "ready"
-            except Exception as e:  # a model that cannot load must not take the others down
-                log.error("model %s failed to load: %s", entry.spec.name, e)
-                entry.state, entry.error = "failed", str(e)
-            entry.ready.set()
+            self.load_into(entry, self.config)
+        self.loaded.set()
 
-    def _model_cache(self, loaded: LoadedModel) -> ModelCache | None:
+    def open_store(self, cache: CacheSpec, cache_dir: Path) -> KVStore:
+        return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
+                       host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
+
+    def load_into(self, entry: ModelEntry, config: LoadedConfig) -> None:
+        """Loads `entry`'s model and starts its engine; a failure is recorded, not raised."""
+        entry.state = "loading"
+        spec = config.spec
+        cache_dir = spec.cache.path(config.base_dir)
+        try:
+            check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
+            loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
+            cache = self.model_cache(loaded, self.store, spec.cache, cache_dir)
+            entry.engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher).start()
+            entry.state = "ready"
+        except Exception as e:  # a model that cannot load must not take the others down
+            log.error("model %s failed to load: %s", entry.spec.name, e)
+            entry.state, entry.error = "failed", str(e)
+        entry.ready.set()
+
+    def retire(self, entry: ModelEntry, *, drain_s: float) -> None:
+        """Stops an entry's engine in the background, letting its requests finish first."""
+        entry.state = "stopping"
+        if entry.engine is not None:
+            threading.Thread(target=entry.engine.stop, kwargs={"drain_s": drain_s},
+                             name=f"retire-{entry.spec.name}", daemon=True).start()
+
+    def model_cache(self, loaded: LoadedModel, store: KVStore | None, cache: CacheSpec,
+                    cache_dir: Path) -> ModelCache | None:
         """Returns the model's view of the KV store; None when its caches can't be blocked."""
         layout = probe_layout(loaded.model)
-        if layout is None or self.store is None:
+        if layout is None or store is None:
             log.warning("model %s: its KV cache type cannot be stored in blocks; prefix caching is off "
                         "for it (output is unaffected)", loaded.name)
             return None
-        weights = weights_fingerprint(loaded.path, memo_dir=self.cache_dir)
-        return ModelCache(self.store, weights=weights, compute_dtype=loaded.dtype, layout=layout,
-                          block_tokens=self.spec.cache.block_tokens)
+        weights = weights_fingerprint(loaded.path, memo_dir=cache_dir)
+        return ModelCache(store, weights=weights, compute_dtype=loaded.dtype, layout=layout,
+                          block_tokens=cache.block_tokens)
 
     @property
     def ready(self) -> bool:
@@ -193,6 +215,8 @@ class Appliance:
                 "files": [str(f) for f in self.config.files],
                 "last_error": self.last_error,
             },
+            "server": {"host": self.spec.server.host, "port": self.spec.server.port},
+            "kernels": self.spec.kernels.model_dump(),
             "models": [e.to_data(default=name == self.spec.default_model.name)
                        for name, e in self.models.items()],
         }

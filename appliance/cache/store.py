@@ -88,11 +88,18 @@ class KVStore:
 
     def _open_ssd(self, root: Path, ssd_bytes: int) -> None:
         try:
-            self.ssd = SsdTier(root, budget_bytes=ssd_bytes)
-            self.writer = SsdWriter(self.ssd, max_pending_bytes=WRITER_PENDING_BYTES)
-        except Exception as e:  # another process holds the dir, or it is unusable
-            self.ssd_error = f"SSD tier disabled: {e}"
+            tier = SsdTier(root, budget_bytes=ssd_bytes)
+            reason = tier.stats().get("disabled_reason") if tier.stats().get("disabled") else None
+        except Exception as e:  # the dir is unusable
+            tier, reason = None, str(e)
+        if reason is not None:  # e.g. another process holds the dir: don't share its files
+            if tier is not None:
+                tier.close()
+            self.ssd_error = f"SSD tier disabled: {reason}"
             log.warning("%s (root %s); serving continues with memory and host tiers", self.ssd_error, root)
+            return
+        self.ssd = tier
+        self.writer = SsdWriter(tier, max_pending_bytes=WRITER_PENDING_BYTES)
 
     # --- lookup ----------------------------------------------------------------------
 
@@ -187,10 +194,11 @@ class KVStore:
 
     def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:
         """Applies new budgets; lower ones evict at once (memory demotes to host)."""
-        for _, evicted in self.memory.resize(memory_bytes):
-            self._demote(evicted)
+        # Host first, so that memory's evictions land under host's new budget.
         for _, evicted in self.host.resize(host_bytes):
             self._spill(evicted)
+        for _, evicted in self.memory.resize(memory_bytes):
+            self._demote(evicted)
         if self.ssd is not None:
             self.ssd.resize(ssd_bytes)
 

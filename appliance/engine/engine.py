@@ -136,6 +136,14 @@ class Engine:
             self._wakeups += 1
             self._cond.notify()
 
+    def set_limits(self, limits: BatchingSpec) -> None:
+        """Applies new batching limits from the next step on; running requests keep going."""
+        with self._cond:
+            self.limits = limits
+            if self._batch is not None:
+                self._batch.chunk_tokens = limits.prefill_chunk_tokens
+            self._cond.notify()
+
     def cancel(self, slot: Slot) -> None:
         with self._cond:
             self._commands.cancelled.append(slot)

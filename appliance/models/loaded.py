@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class LoadedModel:
     context_tokens: int
     dtype: str
     load_s: float
+    loaded_at: float = field(default_factory=time.time)  # epoch seconds
 
     @property
     def name(self) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
+
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from appliance.config import ConfigError, write_config
+from appliance.reconcile.watch import reconcile_now
 from appliance.server.errors import ApiError
 from appliance.server.json import JSONResponse
 from appliance.server.params import parse_body
@@ -28,6 +32,40 @@ async def health(request: Request) -> Response:
 
 async def status(request: Request) -> Response:
     return JSONResponse(request.app.state.appliance.status())
+
+
+async def get_config(request: Request) -> Response:
+    """The applied spec (resolved, as JSON) and its hash."""
+    app = request.app.state.appliance
+    return JSONResponse({"hash": app.spec.hash, "path": str(app.config.path), "spec": app.spec.to_data(),
+                         "last_error": app.last_error})
+
+
+async def put_config(request: Request) -> Response:
+    """Validates a new spec, writes it to the config file atomically, and applies it.
+
+    The file stays the single source of truth: what is written is what the watcher
+    would apply; the answer says whether it was applied.
+    """
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object: the spec's tables", code="invalid_json")
+    app = request.app.state.appliance
+    try:
+        await asyncio.to_thread(write_config, app.config.path, data)
+    except ConfigError as e:
+        return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "param": None,
+                                       "code": "invalid_config", "issues": e.to_data()["issues"]}},
+                            status_code=400)
+    outcome = await reconcile_now(request.app.state.reconciler)
+    status = 200 if outcome is not None and outcome.applied else 409
+    body = {"applied": bool(outcome and outcome.applied), "hash": app.spec.hash,
+            "actions": list(outcome.actions) if outcome else [], "last_error": app.last_error}
+    return JSONResponse(body, status_code=status)
 
 
 async def cache(request: Request) -> Response:
@@ -81,6 +119,8 @@ async def archive_call(fn, *args):
 ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/admin/api/status", status, methods=["GET"]),
+    Route("/admin/api/config", get_config, methods=["GET"]),
+    Route("/admin/api/config", put_config, methods=["PUT"]),
     Route("/admin/api/cache", cache, methods=["GET"]),
     Route("/admin/api/cache/clear", clear_cache, methods=["POST"]),
     Route("/admin/api/cache/export", export_cache, methods=["POST"]),

@@ -63,6 +63,17 @@ async def completions(request: Request) -> Response:
                          prefix=prefix)
 
 
+# Finishes that are no completion: the client gets an error, not a finish_reason.
+ENDED_BY_SERVER = ("error", "cancelled")
+
+
+def ended_by_server(finished: Finished) -> ApiError:
+    if finished.reason == "cancelled":
+        return ApiError(503, "the request was cut off: the server is shutting down or the model was unloaded",
+                        type="server_error", code="cancelled", headers={"Retry-After": "5"})
+    return ApiError(500, finished.error or "generation failed", type="server_error")
+
+
 def decoder(engine: Engine):
     tokenizer = engine.loaded.tokenizer
     return lambda token_id: tokenizer.decode([token_id])
@@ -79,8 +90,8 @@ async def respond(request: Request, engine: Engine, gen: GenerationRequest, para
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     deltas, finished = await collect(request, handle)
-    if finished.reason == "error":
-        raise ApiError(500, finished.error or "generation failed", type="server_error")
+    if finished.reason in ENDED_BY_SERVER:
+        raise ended_by_server(finished)
     return JSONResponse(shape.whole(deltas, finished.reason, finished.stats, prefix=prefix))
 
 
@@ -120,8 +131,8 @@ async def stream(handle: RequestHandle, shape: Shape, *, include_usage: bool,
             if isinstance(event, Delta):
                 if event.text or event.logprobs:
                     yield sse(shape.chunk([shape.delta_choice(event)]))
-            elif event.reason == "error":
-                yield sse(ApiError(500, event.error or "generation failed", type="server_error").to_data())
+            elif event.reason in ENDED_BY_SERVER:
+                yield sse(ended_by_server(event).to_data())
             else:
                 yield sse(shape.chunk([shape.finish_choice(event.reason)]))
                 if include_usage:

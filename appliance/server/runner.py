@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 
 import uvicorn
 
@@ -14,14 +16,39 @@ from appliance.server.app import build_app
 log = logging.getLogger("omlx")
 
 
+class Server(uvicorn.Server):
+    """uvicorn, plus rebinding to a new address without dropping the old one first."""
+
+    async def rebind(self, host: str, port: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Listens on host:port beside the current sockets; returns (close new, close old)."""
+        loop = asyncio.get_running_loop()
+        config = self.config
+
+        def protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        new = await loop.create_server(protocol, host=host, port=port, backlog=config.backlog)
+        old = list(self.servers)
+        self.servers.append(new)
+        log.info("listening on http://%s:%d", host, port)
+
+        def close(servers: list) -> None:
+            for s in servers:
+                s.close()
+                self.servers.remove(s)
+
+        return (lambda: close([new])), (lambda: close(old))
+
+
 def serve(config: LoadedConfig) -> int:
     """Serves `config` until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     platform.log_blas_status()
     spec = config.spec
     appliance = Appliance(config)
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(appliance),
+    server = Server(uvicorn.Config(
+        build_app(appliance, rebind=lambda host, port: server.rebind(host, port)),
         host=spec.server.host,
         port=spec.server.port,
         log_level="info",

@@ -1,0 +1,43 @@
+"""Will a model fit? A check before loading, so a swap fails cleanly instead of thrashing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from appliance.models.source import describe_source
+from appliance.spec import ModelSpec
+
+# Weights grow when cast up (a bfloat16 or 4-bit checkpoint run in float32 on a CPU).
+HEADROOM = 1.2
+
+
+def available_bytes() -> int | None:
+    """Returns the memory the OS can give without swapping (Linux: MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:
+    """Raises MemoryError when a local model's weights clearly cannot fit in free memory."""
+    if describe_source(spec.source, base_dir) == "hf-repo":
+        return  # size unknown until downloaded
+    path = Path(spec.source).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    needed = sum(f.stat().st_size for f in files)
+    if path.suffix == ".gguf":
+        needed *= 8  # quantized GGUF weights expand to float32 (4-bit -> 32-bit)
+    free = available_bytes()
+    if free is not None and needed * HEADROOM > free:
+        raise MemoryError(f"not enough memory for model {spec.name}: needs about "
+                          f"{needed * HEADROOM / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")

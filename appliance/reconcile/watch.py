@@ -1,0 +1,63 @@
+"""Follows omlx.toml and the profiles it layers; every burst of changes is one reconcile.
+
+Level-triggered: an event only says "look again". The whole spec is re-read and compared
+with what is applied, so editor saves (temp file + rename), half-written files and
+repeated events all end in the same place: the last valid file, applied once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from watchfiles import awatch
+
+from appliance.config import ConfigError, load_spec, profile_dirs
+from appliance.reconcile.apply import Outcome, Reconciler
+
+log = logging.getLogger("omlx.reconcile")
+
+DEBOUNCE_MS = 50  # editors write in bursts; one look after the burst is enough
+
+
+async def reconcile_now(reconciler: Reconciler) -> Outcome | None:
+    """Re-reads the config file and applies it; returns None when the file is invalid."""
+    path = reconciler.appliance.config.path
+    try:
+        desired = await asyncio.to_thread(load_spec, path)
+    except ConfigError as e:
+        reconciler.reject(e)
+        return None
+    return await reconciler.apply(desired)
+
+
+async def watch(reconciler: Reconciler, stop: asyncio.Event) -> None:
+    """Reconciles on every change to the config or its profiles until `stop` is set."""
+    await asyncio.to_thread(reconciler.appliance.loaded.wait)
+    await reconcile_now(reconciler)  # edits saved while the models were loading
+    while not stop.is_set():
+        files = watched_files(reconciler)
+        dirs = {f.parent for f in files} | {d for d in profile_dirs(reconciler.appliance.config.path) if d.is_dir()}
+        async for changes in awatch(*dirs, stop_event=stop, debounce=DEBOUNCE_MS, step=DEBOUNCE_MS,
+                                    recursive=False, ignore_permission_denied=True):
+            # Any TOML file here may be (or become) a layer: re-read, level-triggered.
+            if not any(p.endswith(".toml") for _, p in changes):
+                continue
+            try:
+                await reconcile_now(reconciler)
+            except Exception:  # a bug in one apply must not stop the watcher
+                log.exception("reconcile failed")
+            if watched_files(reconciler) != files:
+                break  # the profile changed: follow the new set of files
+
+
+def watched_files(reconciler: Reconciler) -> set[Path]:
+    """Returns the config file and the profile files it layers (as last read)."""
+    config = reconciler.appliance.config
+    files = {config.path}
+    try:
+        files |= set(load_spec(config.path).files)
+    except ConfigError:
+        files |= set(config.files)
+    return {f.resolve() for f in files}
