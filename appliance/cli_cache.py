@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
     cache = sub.add_parser("cache", help="inspect and manage the KV cache")
     cache.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
     verbs = cache.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("stats", help="print per-tier figures as JSON")
+    stats = verbs.add_parser("stats", help="print per-tier figures as JSON")
     clear = verbs.add_parser("clear", help="remove cached blocks (one model or all)")
     clear.add_argument("--model", help="only this model's blocks")
     export = verbs.add_parser("export", help="write a model's SSD blocks to a portable archive")
@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
     export.add_argument("--model", help="the model (default: the config's default model)")
     imp = verbs.add_parser("import", help="verify and add the blocks of an archive")
     imp.add_argument("path", type=Path)
+    for verb in (stats, clear, export, imp):  # `--config` also after the verb
+        verb.add_argument("--config", default=argparse.SUPPRESS, help="path to omlx.toml")
     cache.set_defaults(run=lambda args: run(args, print_errors))
 
 

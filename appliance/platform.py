@@ -74,3 +74,22 @@ def resolve_dtype(dtype: str) -> str | None:
     if dtype != "auto":
         return dtype
     return "float32" if device_kind() == "cpu" else None
+
+
+def limit_device_memory(fraction: float = 0.9) -> None:
+    """Caps MLX's allocations on GPUs below the device's memory.
+
+    MLX CUDA allocates managed memory; asking for more than the card has can hang the
+    GPU itself, not only the process, so a limit is set before anything loads.
+    """
+    import mlx.core as mx
+
+    if device_kind() != "gpu":
+        return
+    try:
+        size = int(mx.device_info().get("memory_size", 0))
+    except Exception:
+        return
+    if size:
+        mx.set_memory_limit(int(size * fraction))
+        log.info("MLX memory limit: %.1f GiB (%.0f%% of the device)", size * fraction / 2**30, fraction * 100)

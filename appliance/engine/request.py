@@ -32,6 +32,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # ends the request like EOS
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
     cache_group: str = "default"  # the tenant's KV namespace: groups never share blocks
+    # Chat answers drop the first token's leading space (as mlx-lm does); completions
+    # continue the prompt's text exactly.
+    trim_leading_space: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ class Slot:
         self.prefetch: Future | None = None  # SSD reads started at submit
         self._stop_ids = frozenset(loaded.eos_token_ids) | frozenset(request.stop_token_ids)
         self._detokenizer = loaded.tokenizer.detokenizer
+        if not request.trim_leading_space:
+            # mlx-lm's detokenizers trim a leading space only while their text is empty:
+            # seed one hidden character so the completion's text stays exact.
+            self._detokenizer.text, self._detokenizer.offset = "\0", 1
         self._stops = StopMatcher(request.stop)
 
     def insert_args(self, restored: Any = None) -> dict:

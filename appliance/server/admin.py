@@ -26,7 +26,8 @@ async def health(request: Request) -> Response:
     states = {e.spec.name: e.state for e in app.models.values()}
     if app.ready:
         return JSONResponse({"status": "ok", "models": states})
-    summary = "degraded" if "failed" in states.values() else "starting"
+    values = set(states.values())
+    summary = "degraded" if "failed" in values else "stopping" if values & {"stopping", "stopped"} else "starting"
     return JSONResponse({"status": summary, "models": states}, status_code=503)
 
 

@@ -57,7 +57,8 @@ async def completions(request: Request) -> Response:
     engine = await appliance_of(request).engine(params.model)
     loaded = engine.loaded
     prompt = completion_prompt(params, loaded)
-    gen = generation_request(params, prompt, loaded, max_tokens=params.max_tokens, top_logprobs=params.logprobs)
+    gen = generation_request(params, prompt, loaded, max_tokens=params.max_tokens, top_logprobs=params.logprobs,
+                             prompt_param="prompt", trim_leading_space=False)
     prefix = loaded.tokenizer.decode(prompt) if params.echo else ""
     return await respond(request, engine, gen, params, Shape(model=loaded.name, decode=decoder(engine)),
                          prefix=prefix)

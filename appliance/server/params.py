@@ -133,16 +133,17 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedModel, *,
-                       max_tokens: int | None, top_logprobs: int | None) -> GenerationRequest:
+                       max_tokens: int | None, top_logprobs: int | None,
+                       prompt_param: str = "messages", trim_leading_space: bool = True) -> GenerationRequest:
     """Returns the engine request; raises 400 for an empty or over-long prompt."""
     if not prompt:
-        raise bad_request("the prompt is empty", param="prompt")
+        raise bad_request("the prompt is empty", param=prompt_param)
     context = loaded.context_tokens
     if len(prompt) >= context:
         raise bad_request(
             f"This model's maximum context length is {context} tokens. However, your "
             f"prompt has {len(prompt)} tokens. Please reduce the length of the prompt.",
-            param="messages", code="context_length_exceeded",
+            param=prompt_param, code="context_length_exceeded",
         )
     wanted = max_tokens or loaded.spec.default_max_tokens
     return GenerationRequest(
@@ -153,6 +154,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
         stop_token_ids=tuple(params.stop_token_ids),
         top_logprobs=top_logprobs,
         cache_group=tenant_group(params.cache_salt),
+        trim_leading_space=trim_leading_space,
     )
 
 

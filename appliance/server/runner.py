@@ -45,6 +45,7 @@ def serve(config: LoadedConfig) -> int:
     """Serves `config` until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     platform.log_blas_status()
+    platform.limit_device_memory()
     spec = config.spec
     appliance = Appliance(config)
     server = Server(uvicorn.Config(

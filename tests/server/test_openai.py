@@ -104,8 +104,11 @@ def test_completions_endpoint(client: openai.OpenAI):
     r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", temperature=0,
                                   max_tokens=5)
     assert r.object == "text_completion"
-    assert "Paris" in r.choices[0].text
+    assert r.choices[0].text.startswith(" Paris")  # continues the prompt's text exactly
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    with_logprobs = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                              temperature=0, max_tokens=5, logprobs=2)
+    assert "".join(with_logprobs.choices[0].logprobs.tokens) == r.choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL_NAME, prompt="The capital of France is", temperature=0, max_tokens=5, stream=True)
         if c.choices)
