@@ -99,15 +99,17 @@ class Appliance:
         return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
                        host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
 
-    def load_into(self, entry: ModelEntry, config: LoadedConfig) -> None:
-        """Loads `entry`'s model and starts its engine; a failure is recorded, not raised."""
+    def load_into(self, entry: ModelEntry, config: LoadedConfig, *, store: KVStore | None = None) -> None:
+        """Loads `entry`'s model and starts its engine on `store` (default: the current one);
+        a failure is recorded, not raised."""
+        store = store or self.store
         entry.state = "loading"
         spec = config.spec
         cache_dir = spec.cache.path(config.base_dir)
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
-            cache = self.model_cache(loaded, self.store, spec.cache, cache_dir)
+            cache = self.model_cache(loaded, store, spec.cache, cache_dir)
             entry.engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher).start()
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down

@@ -206,3 +206,21 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view):]
+
+
+def read_tokens(path: Path, *, key: bytes, group: str) -> tuple[int, ...] | None:
+    """Returns the token ids in a block file's header (a small read), or None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            prelude = f.read(PRELUDE.size)
+            if len(prelude) < PRELUDE.size:
+                return None
+            magic, version, header_nbytes = PRELUDE.unpack(prelude)
+            if magic != MAGIC or version != FORMAT_VERSION:
+                return None
+            header = _parse_header(memoryview(f.read(header_nbytes)))
+    except (OSError, BlockError):
+        return None
+    if header["key"] != key.hex() or header["group"] != group:
+        return None
+    return tuple(header["tokens"])

@@ -54,6 +54,11 @@ class LruTier(Generic[T]):
             self.bytes += nbytes
             return self._evict_to(self.budget_bytes)
 
+    def values(self) -> list[T]:
+        """Returns a snapshot of the values, least recently used first."""
+        with self._lock:
+            return [v for v, _ in self._entries.values()]
+
     def pop(self, key: bytes) -> T | None:
         with self._lock:
             entry = self._entries.pop(key, None)

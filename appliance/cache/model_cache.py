@@ -1,8 +1,9 @@
 """One model's view of the KV store: find a prompt's cached prefix, restore it, save new KV.
 
-A prompt's prefix is matched block by block along the key chain, then the block after
-the last full match is probed for a stored (possibly partial) block whose tokens start
-the rest of the prompt, so a revisited prompt restores all but its last token.
+A prompt's prefix is matched block by block along the key chain; then, among the stored
+blocks that follow the last match, the one sharing the longest token prefix with the
+rest of the prompt serves that shared part. A revisited prompt restores all but its last
+token, and a new question after a cached context restores the whole context.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ class Restored:
     cache: list[KVCache] | None
     num_tokens: int
     tiers: dict[str, int]  # tokens restored from each tier
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Returns how many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def tenant_group(salt: str | None) -> str:
@@ -94,16 +105,23 @@ class ModelCache:
                 break
             hits.append(Hit(key, parent, piece, tier, b))
             parent, start = key, start + b
-        rest = tuple(tokens[start:start + b])
-        for t in range(len(rest), 0, -1):
-            key = space.block_key(parent, rest[:t])
-            tier = self.store.tier_of(key, space.group)
-            if tier is not None:
-                use = min(t, limit - start)
-                if use > 0:
-                    hits.append(Hit(key, parent, rest[:t], tier, use))
-                break
+        tail = self._longest_child(parent, tuple(tokens[start:start + b]), space.group, limit - start)
+        if tail is not None:
+            hits.append(tail)
         return Lookup(tuple(hits), tenant)
+
+    def _longest_child(self, parent: bytes, rest: tuple[int, ...], group: str, room: int) -> Hit | None:
+        """Returns the stored block after `parent` sharing the longest token prefix with `rest`.
+
+        KV of a block's first k tokens is valid whatever followed them, so a block saved
+        by another turn (other question, other answer) still serves the shared part.
+        """
+        best: Hit | None = None
+        for key, (stored, tier) in self.store.children(parent, group).items():
+            use = min(common_prefix(stored, rest), room)
+            if use > 0 and (best is None or use > best.use_tokens):
+                best = Hit(key, parent, stored, tier, use)
+        return best
 
     def worth_restoring(self, lookup: Lookup, *, prefill_tok_s: float | None, count: bool = True) -> Lookup:
         """Returns the prefix of `lookup` whose restore beats recomputing it the most.

@@ -26,7 +26,7 @@ from pathlib import Path
 import orjson
 
 from appliance.cache.block import (FORMAT_VERSION, MISSING, Block, BlockError, decode,
-                                   encode_head, fsync_dir, is_valid_group, relative_path,
+                                   encode_head, fsync_dir, is_valid_group, read_tokens, relative_path,
                                    write_atomic)
 from appliance.cache.ssd_index import IndexEntry, SsdIndex
 
@@ -79,6 +79,17 @@ class SsdTier:
                 if not self._index.contains(group, key):
                     return n
             return len(keys)
+
+    def children(self, parent: bytes, *, group: str, limit: int = 32) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Returns (key, tokens) of the blocks that follow `parent`: header reads only."""
+        with self._lock:
+            entries = self._index.children(group, parent, limit=limit)
+        found = []
+        for entry in entries:
+            tokens = read_tokens(self.root / entry.path, key=entry.key, group=group)
+            if tokens is not None:
+                found.append((entry.key, tokens))
+        return found
 
     def get(self, key: bytes, *, group: str, tokens: Sequence[int]) -> Block | None:
         """Returns the verified block, or None (a counted miss; a bad file is removed).

@@ -34,6 +34,8 @@ _SCHEMA = (
     ) WITHOUT ROWID""",
     "CREATE INDEX blocks_lru ON blocks (last_used)",
 )
+# Added after the first schema: created on open when missing (children of a block).
+_PARENT_INDEX = "CREATE INDEX IF NOT EXISTS blocks_parent ON blocks (grp, parent)"
 _COLUMNS = "path, grp, key, parent, nbytes, written"
 
 
@@ -67,6 +69,7 @@ class SsdIndex:
             for suffix in ("", "-wal", "-shm"):
                 _unlink(Path(self._path + suffix))
             self._db = self._open_db()
+        self._db.execute(_PARENT_INDEX)
         # A counter, not a clock: monotonic across restarts and wall-clock jumps.
         self._clock = self._db.execute("SELECT max(last_used) FROM blocks").fetchone()[0] or 0
         self.num_blocks, self.total_bytes = self._count()
@@ -76,6 +79,12 @@ class SsdIndex:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE path = ?",
                                (relative_path(group, key),)).fetchone()
         return None if row is None else IndexEntry(*row)
+
+    def children(self, group: str, parent: bytes, *, limit: int) -> list[IndexEntry]:
+        """Returns up to `limit` blocks that follow `parent`, most recently used first."""
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE grp = ? AND parent = ? "
+                                "ORDER BY last_used DESC LIMIT ?", (group, parent, limit)).fetchall()
+        return [IndexEntry(*row) for row in rows]
 
     def contains(self, group: str, key: bytes) -> bool:
         """Returns whether (group, key) is indexed."""

@@ -113,6 +113,20 @@ class KVStore:
             return SSD
         return None
 
+    def children(self, parent: bytes, group: str) -> dict[bytes, tuple[tuple[int, ...], str]]:
+        """Returns the stored blocks that follow `parent`: key -> (tokens, fastest tier)."""
+        found: dict[bytes, tuple[tuple[int, ...], str]] = {}
+        if self.ssd is not None:
+            for key, tokens in self.ssd.children(parent, group=group):
+                found[key] = (tokens, SSD)
+        for h in self.host.values():
+            if h.parent == parent and h.group == group:
+                found[h.key] = (h.tokens, HOST)
+        for e in self.memory.values():
+            if e.block.parent == parent and e.group == group:
+                found[e.block.key] = (e.block.tokens, MEMORY)
+        return found
+
     def fetch(self, key: bytes, *, group: str, parent: bytes, tokens: tuple[int, ...]) -> tuple[KVBlock, str] | None:
         """Returns the block and the tier it came from, promoted to memory; None when lost."""
         entry = self.memory.get(key)
@@ -120,6 +134,8 @@ class KVStore:
             return entry.block, MEMORY
         started = time.perf_counter()
         host, measured = self.host.pop(key), HOST
+        if host is not None:
+            self.host.hits += 1
         if host is None or host.tokens != tokens:
             host, measured = self._read_ssd(key, group, tokens), SSD
         if host is None:

@@ -68,6 +68,7 @@ class Reconciler:
         self.appliance = appliance
         self._rebind = rebind  # opens a socket beside the current one; returns a closer pair
         self._lock = asyncio.Lock()
+        self._store: Any = None  # the KV store models loaded by the current apply use
         self.applies = 0
 
     async def apply(self, desired: LoadedConfig) -> Outcome:
@@ -76,6 +77,7 @@ class Reconciler:
             started = time.perf_counter()
             app = self.appliance
             actions = plan(app.spec, desired.spec)
+            self._store = app.store
             done: list[Step] = []
             try:
                 for action in actions:
@@ -102,7 +104,8 @@ class Reconciler:
     def reject(self, error: ConfigError) -> None:
         """Records an invalid file: nothing changes, the error shows in the status."""
         first = error.issues[0] if error.issues else None
-        self.appliance.last_error = error_record(str(error), path=first.path if first else None, file=error.file)
+        self.appliance.last_error = error_record(str(error), path=first.path if first and first.path else None,
+                                                 file=error.file)
         log.error("config file invalid, the previous config keeps serving:\n%s", error)
 
     async def _prepare(self, action: Action, desired: LoadedConfig) -> Step:
@@ -131,17 +134,27 @@ class Reconciler:
         new_dir = action.cache.path(desired.base_dir)
         moved = new_dir != app.cache_dir
         store = await asyncio.to_thread(app.open_store, action.cache, new_dir) if moved else old_store
+        old_cache = app.spec.cache
+        if not moved and store is not None:  # same store, new block size: budgets may change too
+            c = action.cache
+            await asyncio.to_thread(store.resize, memory_bytes=c.memory_bytes, host_bytes=c.host_bytes,
+                                    ssd_bytes=c.ssd_bytes)
+        self._store = store  # models loaded later in this apply use the new store
         caches = {name: await asyncio.to_thread(app.model_cache, e.engine.loaded, store, action.cache, new_dir)
                   for name, e in app.models.items() if e.engine is not None}
 
         def undo() -> None:
             if moved and store is not None:
                 store.close()
+            elif store is not None:
+                store.resize(memory_bytes=old_cache.memory_bytes, host_bytes=old_cache.host_bytes,
+                             ssd_bytes=old_cache.ssd_bytes)
 
         def commit() -> None:
             app.store = store
             for name, cache in caches.items():
-                app.models[name].engine.cache = cache
+                if name in app.models and app.models[name].engine is not None:
+                    app.models[name].engine.cache = cache
             if moved and old_store is not None:
                 threading.Thread(target=old_store.close, daemon=True).start()
 
@@ -177,7 +190,7 @@ class Reconciler:
             entry = ModelEntry(spec, state="loading")
             app.models[spec.name] = entry  # requests wait (bounded) while it loads
             try:
-                await asyncio.to_thread(app.load_into, entry, desired)
+                await asyncio.to_thread(app.load_into, entry, desired, store=self._store)
             except BaseException:
                 app.models.pop(spec.name, None)
                 raise
@@ -187,7 +200,7 @@ class Reconciler:
             return Step(undo=lambda: app.retire(app.models.pop(spec.name), drain_s=0))
         # A changed model loads beside the old one, which keeps serving until the swap.
         fresh = ModelEntry(spec, state="loading")
-        await asyncio.to_thread(app.load_into, fresh, desired)
+        await asyncio.to_thread(app.load_into, fresh, desired, store=self._store)
         if fresh.state != "ready":
             raise RuntimeError(fresh.error or "model did not load")
         old = app.models[spec.name]

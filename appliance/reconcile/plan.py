@@ -82,8 +82,9 @@ Action = ResizeCache | ReopenCache | SetBatching | SelectKernels | UnloadModel |
 def plan(applied: Spec, desired: Spec) -> tuple[Action, ...]:
     """Returns the ordered actions that turn `applied` into `desired` (empty when equal).
 
-    Cheap, reversible steps come first; models are unloaded before new ones load (to
-    free memory), and the socket is rebound last, once everything else has worked.
+    Cheap, reversible steps come first, then unloads and loads (an unloaded model stops
+    only at commit, so a failed apply can put it back), and the socket is rebound last,
+    once everything else has worked.
     """
     actions: list[Action] = []
     old_cache, new_cache = applied.cache, desired.cache

@@ -182,3 +182,21 @@ def test_restore_is_skipped_when_recomputing_is_faster(rigs, tmp_path):
     (warm,) = rig.run(prompt)
     assert warm["cached"] == 0
     assert rig.cache.counters["recompute_chosen"] == 1
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_new_question_restores_the_whole_shared_context(rigs, tmp_path, restart):
+    from appliance.cache.model_cache import common_prefix
+
+    rig = rigs(tmp_path / "kv")
+    first, second = rig.prompt("What does this code do?"), rig.prompt("Who maintains this code?")
+    rig.run(first)
+    if restart:
+        rig.close()
+        rig = rigs(tmp_path / "kv")
+    (warm,) = rig.run(second)
+    shared = common_prefix(first, second)
+    assert shared % BLOCK != 0  # the shared part ends inside a block
+    assert warm["cached"] == shared
+    (cold,) = rigs(tmp_path / "cold").run(second)
+    assert warm["tokens"] == cold["tokens"]

@@ -1,0 +1,318 @@
+"""Restore vs recompute: TTFT of a prefix computed cold, restored from memory, and from SSD after a restart.
+
+For each prefix size a fresh omlx serves the converted float32 model from a cache dir of
+its own. One chat prompt of that many tokens (a system message of real source code from
+the venv, then a short question) is sent three ways, streaming with max_tokens 8, and timed
+client-side to the first content chunk:
+
+1. cold: the first visit, computed from scratch;
+2. memory: the same prompt again (median of 3), restored from the memory tier;
+3. SSD after restart: the server is stopped (its SSD writes flushed), the page cache is
+   dropped (`/proc/sys/vm/drop_caches`, else POSIX_FADV_DONTNEED per block file; residency
+   is checked with fincore), a new server opens the same cache dir and gets the prompt.
+
+Every server start is warmed up before anything is timed, with two requests unrelated to the
+measured prompt (a tiny chat and a ~400-token one), so MLX's first-use costs (and, after the
+restart, those of the restore path: the warm-up prompts are SSD hits of their own blocks)
+count against neither path. Which tier served a request comes from the server: the change of
+per-tier hit counters in GET /admin/api/cache and the request's `cached_by_tier` in
+GET /admin/api/status.
+
+    .venv/bin/python bench/restore.py [--quick]     # quick: 256 and 1K tokens; full: 512, 2K, 8K
+
+Writes bench/out/restore.json (bench/out/restore-quick.json with --quick) and prints a markdown
+table. Server logs: bench/out/logs/restore-<size>-<start>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    OUT_DIR,
+    ChatTokens,
+    ForeignLoad,
+    ServerProcess,
+    Timing,
+    client,
+    converted_model_dir,
+    drop_page_cache,
+    fmt,
+    get_json,
+    kv_files,
+    log,
+    longest_fit,
+    machine,
+    omlx_server,
+    ratio,
+    resident_bytes,
+    site_packages,
+    stream_chat,
+    tier_deltas,
+    wait_ssd_written,
+    write_json,
+)
+
+FULL_SIZES = {"512": 512, "2K": 2048, "8K": 8000}  # the model's context is 8192
+QUICK_SIZES = {"256": 256, "1K": 1024}
+MAX_TOKENS = 8
+MEMORY_REPEATS = 3
+TARGET_SSD_SHARE = 0.02  # SSD hit after restart <= 2% of cold, from 2K tokens up
+TARGET_FROM_TOKENS = 2048
+REQUEST_TIMEOUT_S = 900.0  # an 8K cold prefill takes ~190 s on an idle 2-core CPU
+SOURCES = ("mlx_lm/generate.py", "mlx_lm/models/cache.py", "httpx/_client.py", "starlette/routing.py")
+QUESTION = "Summarize in one sentence what the code above does."
+
+
+# --- prompts -----------------------------------------------------------------------------------
+
+
+def source_text() -> str:
+    """Returns real Python source from the venv, each file under a header (about 60K tokens)."""
+    root = site_packages()
+    return "\n\n".join(f"# File: {name}\n{(root / name).read_text()}" for name in SOURCES)
+
+
+def prompt_of(tokens: ChatTokens, num_tokens: int, *, label: str) -> list[dict]:
+    """Returns a chat of code review whose prompt is as close to `num_tokens` tokens as lines allow."""
+    lines = source_text().splitlines()
+
+    def chat(n: int) -> list[dict]:
+        system = f"[{label}] You are a senior engineer reviewing this code.\n\n" + "\n".join(lines[:n])
+        return [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+
+    n = longest_fit(len(lines), lambda n: len(tokens.prompt(chat(n))) <= num_tokens)
+    return chat(n)
+
+
+WARM_UP = [
+    [{"role": "user", "content": "Say hello."}],
+    [{"role": "system", "content": "You are terse. " + " ".join(f"Rule {i}: answer in plain words." for i in range(40))},
+     {"role": "user", "content": "What is a cache?"}],
+]
+
+
+# --- one size ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Shot:
+    """One timed request, as the client and the server saw it."""
+
+    name: str
+    timing: Timing
+    tier_deltas: dict  # per tier: change of hits (and SSD read bytes/seconds)
+    served_by: dict  # the request's cached_by_tier (tokens per tier), from /admin/api/status
+    server_ttft_s: float | None
+    server_queue_s: float | None
+    foreign_cpu_share: float
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.timing.ttft_s
+
+
+@dataclass
+class SizeResult:
+    label: str
+    target_tokens: int
+    prompt_tokens: int | None = None
+    cold: Shot | None = None
+    memory: list[Shot] = field(default_factory=list)
+    ssd: Shot | None = None
+    warm_up_errors: list[str] = field(default_factory=list)
+    drop_method: str | None = None
+    block_files: int = 0
+    block_bytes: int = 0
+    resident_after_drop_bytes: int | None = None
+    resident_before_ssd_request_bytes: int | None = None
+    ssd_writes_flushed: bool | None = None
+    server_exit_codes: list[int | None] = field(default_factory=list)
+    cache_after_ssd: dict | None = None
+    error: str | None = None
+
+    @property
+    def ssd_read_gbps(self) -> float | None:
+        """The SSD tier's file-read throughput during the SSD request (its read_bytes / read_s)."""
+        d = (self.ssd.tier_deltas.get("ssd") or {}) if self.ssd else {}
+        return d["read_bytes"] / d["read_s"] / 1e9 if d.get("read_s") else None
+
+    @property
+    def memory_ttft_s(self) -> float | None:
+        values = sorted(s.ttft_s for s in self.memory if s.ttft_s is not None)
+        return values[len(values) // 2] if values else None
+
+    def summary(self) -> dict:
+        cold = self.cold.ttft_s if self.cold else None
+        ssd = self.ssd.ttft_s if self.ssd else None
+        return {
+            "label": self.label, "prompt_tokens": self.prompt_tokens,
+            "cold_ttft_s": cold, "memory_ttft_s": self.memory_ttft_s, "ssd_ttft_s": ssd,
+            "memory_over_cold": ratio(self.memory_ttft_s, cold), "ssd_over_cold": ratio(ssd, cold),
+            "memory_cached_tokens": self.memory[0].timing.cached_tokens if self.memory else None,
+            "ssd_cached_tokens": self.ssd.timing.cached_tokens if self.ssd else None,
+            "ssd_served_by": self.ssd.served_by if self.ssd else None,
+            "ssd_read_gbps": self.ssd_read_gbps,
+            "meets_target": (None if self.target_tokens < TARGET_FROM_TOKENS or ratio(ssd, cold) is None
+                             else ratio(ssd, cold) <= TARGET_SSD_SHARE),
+        }
+
+
+async def timed(server: ServerProcess, name: str, messages: list[dict]) -> Shot:
+    """Returns one streamed request with the server's view of it."""
+    before = get_json(server.url, "/admin/api/cache")
+    meter = ForeignLoad({server.group}).start()
+    async with client() as http:
+        timing = await stream_chat(http, server.url, messages, max_tokens=MAX_TOKENS, timeout_s=REQUEST_TIMEOUT_S)
+    share = meter.share()
+    after = get_json(server.url, "/admin/api/cache")
+    recent = get_json(server.url, "/admin/api/status")["models"][0]["recent_requests"]
+    last = recent[-1] if recent else {}
+    shot = Shot(name=name, timing=timing, tier_deltas=tier_deltas(before, after),
+                served_by=last.get("cached_by_tier") or {}, server_ttft_s=last.get("ttft_s"),
+                server_queue_s=last.get("queue_s"), foreign_cpu_share=share)
+    log(f"   {name}: TTFT {fmt(timing.ttft_s, '.3f')} s, prompt {timing.prompt_tokens}, cached "
+        f"{timing.cached_tokens} {shot.served_by}, others' CPU {share:.0%} {timing.error or ''}")
+    return shot
+
+
+async def warm_up(server: ServerProcess) -> list[str]:
+    """Sends the unrelated warm-up requests; returns their errors."""
+    errors = []
+    async with client() as http:
+        for i, messages in enumerate(WARM_UP):
+            t = await stream_chat(http, server.url, messages, max_tokens=4, timeout_s=REQUEST_TIMEOUT_S)
+            if not t.ok:
+                errors.append(f"{server.log_path.name} warm-up {i}: {t.error or 'no content'}")
+    return errors
+
+
+def start(model_dir: Path, work_dir: Path, log_name: str) -> ServerProcess:
+    server = omlx_server(model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name)
+    log(f"starting omlx ({server.log_path.name}), cache dir {work_dir / 'cache'}")
+    return server.start(ready_timeout_s=600)
+
+
+def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: int, root: Path) -> SizeResult:
+    result = SizeResult(label=label, target_tokens=num_tokens)
+    messages = prompt_of(tokens, num_tokens, label=f"restore-{label}")
+    work_dir = root / label
+    work_dir.mkdir()
+    cache_dir = work_dir / "cache"
+
+    server = start(model_dir, work_dir, f"restore-{label}-1")
+    try:
+        result.warm_up_errors += asyncio.run(warm_up(server))
+        wait_ssd_written(server.url)
+        warm_files = set(kv_files(cache_dir))
+        result.cold = asyncio.run(timed(server, "cold", messages))
+        result.prompt_tokens = result.cold.timing.prompt_tokens
+        for i in range(MEMORY_REPEATS):
+            result.memory.append(asyncio.run(timed(server, f"memory {i + 1}", messages)))
+        result.ssd_writes_flushed = wait_ssd_written(server.url)
+    finally:
+        result.server_exit_codes.append(server.stop(grace_s=60))
+
+    files = kv_files(cache_dir)
+    target_files = [f for f in files if f not in warm_files]  # the measured prompt's blocks
+    result.block_files = len(target_files)
+    result.block_bytes = sum(f.stat().st_size for f in target_files)
+    result.drop_method = drop_page_cache(files)
+    result.resident_after_drop_bytes = resident_bytes(target_files)
+    log(f"   stopped; {len(target_files)} block files, {result.block_bytes / 2**20:.1f} MiB; page cache dropped "
+        f"({result.drop_method}), {result.resident_after_drop_bytes} bytes of them still resident")
+
+    server = start(model_dir, work_dir, f"restore-{label}-2")
+    try:
+        result.warm_up_errors += asyncio.run(warm_up(server))
+        result.resident_before_ssd_request_bytes = resident_bytes(target_files)
+        result.ssd = asyncio.run(timed(server, "ssd after restart", messages))
+        result.cache_after_ssd = get_json(server.url, "/admin/api/cache")
+    finally:
+        result.server_exit_codes.append(server.stop(grace_s=60))
+    return result
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def table(results: list[SizeResult]) -> str:
+    rows = ["| prefix | prompt tokens | cold TTFT (s) | memory TTFT (s) | SSD-after-restart TTFT (s) "
+            "| memory/cold | SSD/cold | target SSD/cold ≤ 2% | cached tokens (memory / SSD) "
+            "| SSD request served by (tokens per tier) | SSD tier read GB/s | block files (MiB) | resident before SSD request |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|"]
+    for r in results:
+        s = r.summary()
+        target = "–" if s["meets_target"] is None else ("met" if s["meets_target"] else "missed")
+        served = ", ".join(f"{k} {v}" for k, v in (s["ssd_served_by"] or {}).items()) or "nothing"
+        resident = "–" if r.resident_before_ssd_request_bytes is None else f"{r.resident_before_ssd_request_bytes / 2**20:.1f} MiB"
+        rows.append(
+            f"| {r.label} | {r.prompt_tokens or '–'} | {fmt(s['cold_ttft_s'], '.3f')} | {fmt(s['memory_ttft_s'], '.3f')} "
+            f"| {fmt(s['ssd_ttft_s'], '.3f')} | {fmt(_pct(s['memory_over_cold']))}% | {fmt(_pct(s['ssd_over_cold']))}% "
+            f"| {target} | {s['memory_cached_tokens']} / {s['ssd_cached_tokens']} of {r.prompt_tokens} "
+            f"| {served} | {fmt(s['ssd_read_gbps'])} | {r.block_files} ({r.block_bytes / 2**20:.1f}) | {resident} |")
+    return "\n".join(rows)
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="256 and 1K tokens instead of 512, 2K and 8K")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dir", type=Path, default=None, help="where the cache dirs go (default: the temp dir)")
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    out = args.out or OUT_DIR / ("restore-quick.json" if args.quick else "restore.json")
+    model_dir = converted_model_dir()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
+    started = time.time()
+    tokens = ChatTokens(model_dir)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="omlx-restore-", dir=args.dir) as tmp:
+        for label, n in sizes.items():
+            log(f"prefix {label} ({n} tokens)")
+            try:
+                results.append(measure_size(model_dir, tokens, label, n, Path(tmp)))
+            except Exception as e:  # keep the other sizes
+                log(f"   failed: {type(e).__name__}: {e}")
+                results.append(SizeResult(label=label, target_tokens=n, error=f"{type(e).__name__}: {e}"[:2000]))
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "bench/restore.py", *(argv if argv is not None else sys.argv[1:])]),
+        "duration_s": round(time.time() - started, 1),
+        "machine": machine(),
+        "model_dir": str(model_dir),
+        "max_tokens": MAX_TOKENS,
+        "warm_up": "two unrelated requests after every server start (a tiny chat and a ~400-token one), not timed",
+        "summary": [r.summary() for r in results],
+        "sizes": results,
+    }
+    path = write_json(out, record)
+    print(f"## Restore vs recompute: client TTFT (streaming, max_tokens {MAX_TOKENS}), omlx, one server per prefix\n")
+    print(table(results))
+    methods = sorted({r.drop_method for r in results if r.drop_method})
+    print(f"\nmemory: median of {MEMORY_REPEATS} repeats. SSD: new server on the same cache dir after the page cache "
+          f"was dropped ({', '.join(methods) or '–'}). Each server start was warmed up with two unrelated requests "
+          f"before timing. Target: SSD-after-restart TTFT ≤ {TARGET_SSD_SHARE:.0%} of cold from "
+          f"{TARGET_FROM_TOKENS} tokens up.\nResults: {path}")
+    for r in results:
+        if r.error or r.warm_up_errors:
+            print(f"\n{r.label}: {r.error or ''} {'; '.join(r.warm_up_errors)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
