@@ -24,10 +24,12 @@ SERVER_START_S = 600  # a first run converts the GGUF before serving
 
 
 @pytest.fixture(autouse=True)
-def _no_stray_omlx_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No OMLX_* variable or ~/.omlx of the machine running the tests leaks in."""
     for key in list(os.environ):
-        if key.startswith("OMLX_"):
+        if key.upper().startswith("OMLX_"):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 
 from appliance.spec import Spec
 
@@ -19,15 +18,6 @@ ONE_MODEL = """
 name = "tiny"
 source = "tiny.gguf"
 """
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    """No OMLX_* variable or ~/.omlx/profiles of the machine running the tests leaks in."""
-    for key in list(os.environ):
-        if key.upper().startswith("OMLX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def check(config: Path, **env: str) -> subprocess.CompletedProcess:

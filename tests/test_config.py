@@ -31,15 +31,6 @@ source = "b.gguf"
 """
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    """No OMLX_* variable or ~/.omlx/profiles of the machine running the tests leaks in."""
-    for key in list(os.environ):
-        if key.upper().startswith("OMLX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-
-
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

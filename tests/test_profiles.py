@@ -3,7 +3,6 @@ and stays a plain layer (no models, no nested profile); the README lists each on
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tomllib
@@ -24,15 +23,6 @@ MINIMAL = """
 name = "tiny"
 source = "tiny.gguf"
 """
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    """No OMLX_* variable or ~/.omlx/profiles of the machine running the tests leaks in."""
-    for key in list(os.environ):
-        if key.upper().startswith("OMLX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def user_config(tmp_path: Path, profile: str) -> Path:

@@ -13,15 +13,6 @@ from appliance.spec import GIB, BatchingSpec, CacheSpec, KernelsSpec, ServerSpec
 ONE_MODEL = [{"name": "tiny", "source": "tiny.gguf"}]
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    """No OMLX_* variable or home directory of the machine running the tests leaks in."""
-    for key in list(os.environ):
-        if key.upper().startswith("OMLX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-
-
 def error_locs(excinfo: pytest.ExceptionInfo[ValidationError]) -> set[tuple]:
     return {tuple(e["loc"]) for e in excinfo.value.errors()}
 

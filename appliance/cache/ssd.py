@@ -28,7 +28,7 @@ import orjson
 from appliance.cache.block import (FORMAT_VERSION, MISSING, Block, BlockError, decode,
                                    encode_head, fsync_dir, is_valid_group, read_tokens, relative_path,
                                    write_atomic)
-from appliance.cache.ssd_index import IndexEntry, SsdIndex
+from appliance.cache.ssd_index import IndexEntry, SsdIndex, unlink_quietly
 
 log = logging.getLogger("omlx.cache")
 
@@ -161,7 +161,7 @@ class SsdTier:
                 self._disable(f"index: {e}")
                 return 0
             for rel in paths:
-                _unlink(self.root / rel)
+                unlink_quietly(self.root / rel)
             self._dirs.clear()
         _prune_empty_dirs(self.root if group is None else self.root / group, self.root)
         return len(paths)
@@ -227,7 +227,7 @@ class SsdTier:
                 _add_member(tar, "manifest.json", orjson.dumps(manifest))
             os.replace(tmp, dest)
         except BaseException:
-            _unlink(tmp)
+            unlink_quietly(tmp)
             raise
         return len(exported)
 
@@ -329,7 +329,7 @@ class SsdTier:
             self._disable(f"index: {e}")
             return 0
         for e in removed:
-            _unlink(self.root / e.path)
+            unlink_quietly(self.root / e.path)
         return len(removed)
 
     def _touch(self, entry: IndexEntry) -> None:
@@ -342,7 +342,7 @@ class SsdTier:
         try:
             self._index.add(block.group, block.key, block.parent, nbytes)
         except sqlite3.Error as e:
-            _unlink(path)
+            unlink_quietly(path)
             self._counters.write_errors += 1
             self._disable(f"index: {e}")
             return False
@@ -431,15 +431,6 @@ def _lock_root(path: Path) -> int:
         os.close(fd)
         raise OSError(errno.EBUSY, "cache root in use by another SsdTier") from None
     return fd
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("could not delete %s: %s", path, e)
 
 
 def _prune_empty_dirs(top: Path, root: Path) -> None:

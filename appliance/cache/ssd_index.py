@@ -67,7 +67,7 @@ class SsdIndex:
             # A cache index is not worth failing over: start empty, strays get cleaned.
             log.warning("SSD cache index %s unreadable (%s); starting a new one", path, e)
             for suffix in ("", "-wal", "-shm"):
-                _unlink(Path(self._path + suffix))
+                unlink_quietly(Path(self._path + suffix))
             self._db = self._open_db()
         self._db.execute(_PARENT_INDEX)
         # A counter, not a clock: monotonic across restarts and wall-clock jumps.
@@ -172,7 +172,7 @@ class SsdIndex:
             self.num_blocks, self.total_bytes = self._count()
         strays = files - indexed
         for rel in strays:
-            _unlink(root / rel)
+            unlink_quietly(root / rel)
         return Reconciled(len(gone), len(strays), num_tmp)
 
     def close(self) -> None:
@@ -235,14 +235,15 @@ def _scan(directory: str, rel: str, files: set[str]) -> int:
         for name in names:
             path = os.path.join(directory, name)
             if name.endswith(".tmp"):
-                _unlink(Path(path))
+                unlink_quietly(Path(path))
                 num_tmp += 1
             elif not name.endswith(".kv") and os.path.isdir(path):
                 num_tmp += _scan(path, rel + name + "/", files)
     return num_tmp
 
 
-def _unlink(path: Path) -> None:
+def unlink_quietly(path: Path) -> None:
+    """Deletes a file; a missing one is fine, another failure is logged, never raised."""
     try:
         os.unlink(path)
     except FileNotFoundError:

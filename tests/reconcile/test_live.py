@@ -66,7 +66,7 @@ def test_cache_budget_change_applies_without_reloading_the_model(live):
     server, config, text = live
     before = status(server)
     loaded_at = model_entry(server)["loaded_at"]
-    save(config, text.replace(f'dir = "', 'memory_gb = 0.25\nhost_gb = 0.5\ndir = "'))
+    save(config, text.replace('dir = "', 'memory_gb = 0.25\nhost_gb = 0.5\ndir = "'))
     after = wait_for(lambda: (s := status(server))["config"]["hash"] != before["config"]["hash"] and s)
     assert after["config"]["last_error"] is None
     assert model_entry(server)["loaded_at"] == loaded_at
@@ -147,7 +147,7 @@ def test_failed_step_rolls_back_everything_in_that_apply(live):
     server, config, text = live
     before = status(server)
     broken = text.replace("[cache]", '[[models]]\nname = "ghost"\nsource = "./missing.gguf"\n\n[cache]').replace(
-        f'dir = "', 'memory_gb = 0.125\ndir = "').replace(
+        'dir = "', 'memory_gb = 0.125\ndir = "').replace(
         "max_context_tokens = 2048", "max_context_tokens = 2048\ndefault = true")
     save(config, broken)
     err = wait_for(lambda: status(server)["config"]["last_error"])
@@ -158,7 +158,7 @@ def test_failed_step_rolls_back_everything_in_that_apply(live):
     tiers = httpx.get(f"{server.url}/admin/api/cache").json()["tiers"]
     assert tiers["memory"]["budget_bytes"] != int(0.125 * 2**30)  # the resize was rolled back
     assert ask(server.port).status_code == 200
-    save(config, text.replace(f'dir = "', 'memory_gb = 0.125\ndir = "'))
+    save(config, text.replace('dir = "', 'memory_gb = 0.125\ndir = "'))
     wait_for(lambda: status(server)["config"]["last_error"] is None)
 
 
