@@ -17,6 +17,7 @@ from appliance.config import ConfigError, load_spec, profile_dirs
 from appliance.reconcile.apply import Outcome, Reconciler
 
 log = logging.getLogger("omlx.reconcile")
+logging.getLogger("watchfiles").setLevel(logging.WARNING)  # one line per event is noise
 
 DEBOUNCE_MS = 50  # editors write in bursts; one look after the burst is enough
 
@@ -39,17 +40,34 @@ async def watch(reconciler: Reconciler, stop: asyncio.Event) -> None:
     while not stop.is_set():
         files = watched_files(reconciler)
         dirs = {f.parent for f in files} | {d for d in profile_dirs(reconciler.appliance.config.path) if d.is_dir()}
-        async for changes in awatch(*dirs, stop_event=stop, debounce=DEBOUNCE_MS, step=DEBOUNCE_MS,
-                                    recursive=False, ignore_permission_denied=True):
-            # Any TOML file here may be (or become) a layer: re-read, level-triggered.
-            if not any(p.endswith(".toml") for _, p in changes):
+        seen = toml_state(dirs)
+        async for _ in awatch(*dirs, stop_event=stop, debounce=DEBOUNCE_MS, step=DEBOUNCE_MS,
+                              recursive=False, ignore_permission_denied=True):
+            # Event paths vary with how editors save (renames, swap files); what counts is
+            # whether any TOML file here (a layer, or one that may become one) changed.
+            now = toml_state(dirs)
+            if now == seen:
                 continue
+            seen = now
             try:
                 await reconcile_now(reconciler)
             except Exception:  # a bug in one apply must not stop the watcher
                 log.exception("reconcile failed")
             if watched_files(reconciler) != files:
                 break  # the profile changed: follow the new set of files
+
+
+def toml_state(dirs: set[Path]) -> frozenset:
+    """Returns (path, mtime, size, inode) of every TOML file in `dirs`."""
+    state = set()
+    for d in dirs:
+        for f in d.glob("*.toml"):
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            state.add((str(f), st.st_mtime_ns, st.st_size, st.st_ino))
+    return frozenset(state)
 
 
 def watched_files(reconciler: Reconciler) -> set[Path]:
