@@ -185,6 +185,7 @@ class Timing:
     finish_reason: str | None
     error: str | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    num_retries: int = 0  # connections the server dropped unanswered, retried (see stream_chat)
 
     @property
     def ok(self) -> bool:
@@ -198,16 +199,32 @@ def client(*, max_connections: int = 256, timeout_s: float = 600.0) -> httpx.Asy
 
 
 async def stream_chat(http: httpx.AsyncClient, url: str, messages: list[dict], *, max_tokens: int,
-                      timeout_s: float = 600.0) -> Timing:
-    """Returns the timing of one streamed chat completion (temperature 0); never raises."""
+                      timeout_s: float = 600.0, retries: int = 0) -> Timing:
+    """Returns the timing of one streamed chat completion (temperature 0); never raises.
+
+    `retries`: how many times a connection the server dropped before answering is tried
+    again (http.server's 5-deep listen backlog overflows under a burst); TTFT still counts
+    from the first attempt.
+    """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    state = _StreamState()
-    try:
-        await asyncio.wait_for(_read_stream(http, f"{url}/v1/chat/completions", body, state, started), timeout_s)
-    except Exception as e:  # a benchmark records failures, it does not stop on them
-        state.error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
+    deadline = started + timeout_s
+    num_retries = 0
+    while True:
+        state = _StreamState()
+        try:
+            await asyncio.wait_for(_read_stream(http, f"{url}/v1/chat/completions", body, state, started),
+                                   max(deadline - time.perf_counter(), 1e-3))
+        except httpx.TransportError as e:
+            if not state.answered and num_retries < retries:
+                num_retries += 1
+                await asyncio.sleep(RETRY_DELAY_S)
+                continue
+            state.error = _describe(e)
+        except Exception as e:  # a benchmark records failures, it does not stop on them
+            state.error = _describe(e)
+        break
     return Timing(
         started_s=started,
         ttft_s=state.ttft_s,
@@ -217,11 +234,20 @@ async def stream_chat(http: httpx.AsyncClient, url: str, messages: list[dict], *
         finish_reason=state.finish_reason,
         error=state.error,
         cached_tokens=state.cached_tokens,
+        num_retries=num_retries,
     )
+
+
+RETRY_DELAY_S = 0.5
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:300]
 
 
 @dataclass
 class _StreamState:
+    answered: bool = False  # response headers arrived
     ttft_s: float | None = None
     num_chunks: int = 0
     usage_tokens: int | None = None
@@ -234,6 +260,7 @@ class _StreamState:
 async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, state: _StreamState,
                        started: float) -> None:
     async with http.stream("POST", url, json=body) as response:
+        state.answered = True
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             state.error = f"HTTP {response.status_code}: {text[:300]}"

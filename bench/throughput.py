@@ -1,0 +1,497 @@
+"""Throughput and TTFT under concurrency: omlx against mlx_lm.server, side by side, one run.
+
+Scenario A: N concurrent streaming clients (N in 1, 4, 16, 64) sending chat requests in
+sequence; aggregate output tok/s and client-side TTFT p50/p99 per N.
+Scenario B: short streaming requests alone, and again while one ~4,000-token prompt is
+being prefilled; short-request TTFT p50/p99 and how much p99 grows.
+
+Both servers serve the same converted float32 model with OpenBLAS preloaded and run at
+the same time; one idles while the other is measured, and they take turns going first,
+so slow drift in the machine's load hits both. Every prompt is unique, so no prompt
+cache (omlx's tiers, mlx_lm's LRU) can serve one; both get the same prompts.
+
+    .venv/bin/python bench/throughput.py [--quick]
+
+Writes bench/out/throughput.json (after every measurement, so a killed run keeps what
+it measured) and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    OUT_DIR,
+    ForeignLoad,
+    ServerProcess,
+    Timing,
+    client,
+    converted_model_dir,
+    fmt,
+    log,
+    machine,
+    mlx_lm_server,
+    omlx_server,
+    percentile,
+    ratio,
+    stream_chat,
+    wait_for_quiet,
+    write_json,
+)
+
+# mlx_lm.server decodes at most 32 requests at once by default; omlx is given max_running = 64.
+MLX_LM_ARGS = ["--decode-concurrency", "64"]
+OMLX_MAX_RUNNING = 64
+OMLX_MAX_QUEUED = 256
+REQUEST_TIMEOUT_S = 300.0  # no request here should take this long; a hang must not stall the run
+LONG_TIMEOUT_S = 600.0  # the ~4,000-token prefill on a busy 2-core machine
+# http.server's listen backlog is 5: a burst of 64 connects gets some dropped unanswered.
+# Such a connection is retried; its TTFT still counts from the first attempt.
+RETRIES = 3
+QUIET_WAIT_S = 20.0  # at most this long waiting for other processes to leave the CPU
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much one run measures."""
+
+    concurrency: tuple[int, ...]
+    min_requests: int  # per N: max(N, min_requests) requests in all, shared by the N clients
+    max_tokens: int
+    short_clients: int
+    short_requests_per_client: int
+    short_max_tokens: int
+    long_prompt_tokens: int
+    long_delay_s: float  # the short requests start this long after the long one is sent
+
+    def num_requests(self, n: int) -> int:
+        return max(n, self.min_requests)
+
+
+FULL = Plan(concurrency=(1, 4, 16, 64), min_requests=8, max_tokens=64, short_clients=8,
+            short_requests_per_client=2, short_max_tokens=16, long_prompt_tokens=4000, long_delay_s=1.0)
+QUICK = Plan(concurrency=(1, 4), min_requests=2, max_tokens=32, short_clients=4,
+             short_requests_per_client=2, short_max_tokens=8, long_prompt_tokens=1500, long_delay_s=1.0)
+
+
+# --- prompts: varied, unique, the same for both servers -------------------------------------
+
+TOPICS = (
+    "suspension bridges", "the printing press", "coral reefs", "the steam engine", "jazz music",
+    "volcanoes", "the Roman road network", "honeybees", "lighthouses", "the periodic table",
+    "glaciers", "medieval castles", "the telescope", "rainforests", "container shipping",
+    "the human immune system", "windmills", "the Silk Road", "sourdough bread", "comets",
+    "public libraries", "the bicycle", "deep-sea vents", "the violin", "desert cities",
+    "railway timetables", "paper making", "the compass", "tea cultivation", "solar panels",
+    "ancient aqueducts", "migratory birds", "the typewriter", "canal locks", "olive farming",
+    "the postal service", "clock towers", "mountain glaciers", "wool weaving", "radio broadcasting",
+)
+AUDIENCES = ("a curious ten-year-old", "a university student", "a retired engineer", "a museum visitor",
+             "a history teacher", "a travel writer", "a city planner", "a science journalist")
+TASKS = (
+    "Write a long, detailed essay about {topic} for {audience}. Cover its history, how it works "
+    "today, and what may change in the next fifty years. Use several full paragraphs.",
+    "Explain {topic} to {audience} in depth, step by step, with many concrete examples.",
+    "Tell a long story in which {audience} discovers everything about {topic}.",
+    "Describe {topic} thoroughly for {audience}: origins, key people, turning points, and everyday impact.",
+)
+NOTE_SUBJECTS = ("The archive", "A local guide", "An old survey", "The committee", "A field report",
+                 "The museum catalogue", "A traveller's diary", "The harbour office")
+NOTE_VERBS = ("records", "mentions", "claims", "estimates", "suggests", "notes")
+NOTE_OBJECTS = ("{k} workers spent {y} years on it", "repairs cost {k} thousand coins in year {y}",
+                "{k} visitors came in the spring of {y}", "the design changed {k} times before {y}",
+                "it was moved {k} kilometres in {y}", "a flood damaged {k} sections in {y}")
+
+
+def chat_prompt(rng: random.Random, *, max_notes: int) -> list[dict]:
+    """Returns a one-message chat asking for long output, with 0..max_notes context notes."""
+    topic, audience = rng.choice(TOPICS), rng.choice(AUDIENCES)
+    notes = [note(rng) for _ in range(rng.randint(0, max_notes))]
+    task = rng.choice(TASKS).format(topic=topic, audience=audience)
+    text = (" ".join(["Background notes:", *notes, "\n"]) if notes else "") + task
+    return [{"role": "user", "content": text}]
+
+
+def note(rng: random.Random) -> str:
+    obj = rng.choice(NOTE_OBJECTS).format(k=rng.randint(2, 900), y=rng.randint(1200, 2020))
+    return f"{rng.choice(NOTE_SUBJECTS)} {rng.choice(NOTE_VERBS)} that {obj}."
+
+
+def prompt_set(label: str, count: int, *, max_notes: int) -> list[list[dict]]:
+    """Returns `count` distinct chats, the same for every server (seeded by `label`)."""
+    rng = random.Random(label)
+    chats = [chat_prompt(rng, max_notes=max_notes) for _ in range(count)]
+    # A serial number makes every prompt unique, so no prompt cache can serve a whole prompt.
+    for i, chat in enumerate(chats):
+        chat[0]["content"] = f"[{label} #{i}] {chat[0]['content']}"
+    return chats
+
+
+def long_prompt(model_dir: Path, num_tokens: int, *, label: str) -> list[dict]:
+    """Returns a chat whose content is about `num_tokens` tokens of varied notes, seeded by `label`."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(label)
+    ask = "\nSummarize the notes above in one paragraph."
+    lines: list[str] = []
+    while len(lines) < num_tokens // 10:  # ~20 tokens a note: more than enough, trimmed below
+        lines.append(f"Note {len(lines) + 1}: {note(rng)}")
+    budget = num_tokens - len(tokenizer.encode(ask).ids) - 30  # ~30: chat template and system prompt
+    while len(tokenizer.encode("\n".join(lines)).ids) > budget:
+        lines.pop()
+    return [{"role": "user", "content": "\n".join(lines) + ask}]
+
+
+async def request(http: httpx.AsyncClient, server: ServerProcess, chat: list[dict], *, max_tokens: int,
+                  timeout_s: float = REQUEST_TIMEOUT_S) -> Timing:
+    return await stream_chat(http, server.url, chat, max_tokens=max_tokens, timeout_s=timeout_s, retries=RETRIES)
+
+
+async def clients_in_parallel(server: ServerProcess, chats: list[list[dict]], num_clients: int, *,
+                              max_tokens: int) -> tuple[list[Timing], float]:
+    """Returns every request's timing and the wall time; client c sends chats[c::num_clients] in turn."""
+    async with client() as http:
+        async def one_client(c: int) -> list[Timing]:
+            return [await request(http, server, chat, max_tokens=max_tokens) for chat in chats[c::num_clients]]
+
+        started = time.perf_counter()
+        per_client = await asyncio.gather(*(one_client(c) for c in range(num_clients)))
+        return [t for ts in per_client for t in ts], time.perf_counter() - started
+
+
+def ttft_bounds(timings: list[Timing]) -> list[float]:
+    """Returns every request's TTFT; a failed request counts with the time it failed after.
+
+    A request that timed out waited at least that long, so dropping it would flatter the
+    server; its figure is a lower bound, and tables mark percentiles that include one with ">=".
+    """
+    return [t.ttft_s if t.ok else t.total_s for t in timings]
+
+
+def failures(timings: list[Timing]) -> tuple[str, ...]:
+    """Returns up to five failure descriptions, each with when it happened."""
+    return tuple(f"{t.error or 'no content'} (after {t.total_s:.1f} s)" for t in timings if not t.ok)[:5]
+
+
+# --- scenario A ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Round:
+    """One server at one concurrency."""
+
+    server: str
+    concurrency: int
+    num_requests: int
+    num_errors: int
+    num_retries: int  # connections dropped unanswered and retried
+    completion_tokens: int  # counted from usage, successful requests only
+    min_completion_tokens: int
+    mean_prompt_tokens: float | None
+    wall_s: float
+    tok_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    foreign_cpu_share: float  # CPU used by other processes on the machine meanwhile (0..1)
+    errors: tuple[str, ...]
+
+
+async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict]], *,
+                            max_tokens: int, groups: set[int]) -> Round:
+    """Returns the round of `n` clients sharing `chats`, each sending its share in sequence."""
+    meter = ForeignLoad(groups).start()
+    timings, wall_s = await clients_in_parallel(server, chats, n, max_tokens=max_tokens)
+    ok = [t for t in timings if t.ok]
+    ttfts = ttft_bounds(timings)
+    prompts = [t.prompt_tokens for t in ok if t.prompt_tokens is not None]
+    tokens = sum(t.completion_tokens for t in ok)
+    return Round(
+        server=server.name, concurrency=n, num_requests=len(timings), num_errors=len(timings) - len(ok),
+        num_retries=sum(t.num_retries for t in timings), completion_tokens=tokens,
+        min_completion_tokens=min((t.completion_tokens for t in ok), default=0),
+        mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
+        wall_s=wall_s, tok_s=tokens / wall_s, ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        foreign_cpu_share=meter.share(), errors=failures(timings),
+    )
+
+
+async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Round], save: Callable[[], None]) -> None:
+    groups = {s.group for s in servers}
+    for i, n in enumerate(plan.concurrency):
+        chats = prompt_set(f"A{n}", plan.num_requests(n), max_notes=6)
+        # Alternate who goes first, so drift in the machine's load does not favour one server.
+        for server in servers if i % 2 == 0 else servers[::-1]:
+            await quiet(groups)
+            log(f"A: {server.name} N={n} ({len(chats)} requests)")
+            r = await concurrency_round(server, n, chats, max_tokens=plan.max_tokens, groups=groups)
+            log(f"   {r.tok_s:.1f} tok/s, TTFT p50 {fmt(r.ttft_p50_s)} s p99 {fmt(r.ttft_p99_s)} s, "
+                f"{r.num_errors} errors, {r.num_retries} retries, wall {r.wall_s:.1f} s, "
+                f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}")
+            rounds.append(r)
+            save()
+
+
+# --- scenario B ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShortLoad:
+    """Short requests' TTFT in one condition."""
+
+    num_requests: int
+    num_errors: int
+    num_retries: int
+    ttft_p50_s: float | None  # failed requests count with the time they failed after (a lower bound)
+    ttft_p99_s: float | None
+    total_p50_s: float | None  # send to last token: decode stalls show here, not in TTFT
+    wall_s: float
+    foreign_cpu_share: float
+    errors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Interference:
+    """One server: short requests alone and during a long prefill."""
+
+    server: str
+    alone: ShortLoad
+    with_long: ShortLoad
+    p50_growth: float | None
+    p99_growth: float | None
+    long_prompt_tokens: int | None
+    long_ttft_s: float | None
+    long_error: str | None
+    num_short_before_long_first_token: int  # short requests sent while the long one was prefilling
+    during_ttft_p50_s: float | None  # over those short requests only
+    during_ttft_p99_s: float | None
+    shorts: tuple[dict, ...]  # each short request during the long one: sent_s (after the long), ttft_s, total_s, error
+
+
+async def short_load(server: ServerProcess, chats: list[list[dict]], plan: Plan, *,
+                     groups: set[int]) -> tuple[ShortLoad, list[Timing]]:
+    meter = ForeignLoad(groups).start()
+    timings, wall_s = await clients_in_parallel(server, chats, plan.short_clients, max_tokens=plan.short_max_tokens)
+    ttfts = ttft_bounds(timings)
+    load = ShortLoad(num_requests=len(timings), num_errors=sum(not t.ok for t in timings),
+                     num_retries=sum(t.num_retries for t in timings), ttft_p50_s=percentile(ttfts, 50),
+                     ttft_p99_s=percentile(ttfts, 99),
+                     total_p50_s=percentile([t.total_s for t in timings], 50),
+                     wall_s=wall_s, foreign_cpu_share=meter.share(),
+                     errors=failures(timings))
+    return load, timings
+
+
+async def interference(server: ServerProcess, plan: Plan, long_chat: list[dict], *,
+                       groups: set[int]) -> Interference:
+    """Returns short-request TTFT alone and while `long_chat` is being prefilled."""
+    count = plan.short_clients * plan.short_requests_per_client
+    await quiet(groups)
+    log(f"B: {server.name} short requests alone ({count})")
+    alone, _ = await short_load(server, prompt_set("B-alone", count, max_notes=1), plan, groups=groups)
+    await quiet(groups)
+    log(f"B: {server.name} short requests during a {plan.long_prompt_tokens}-token prefill")
+    async with client() as http:
+        long_task = asyncio.create_task(request(http, server, long_chat, max_tokens=4, timeout_s=LONG_TIMEOUT_S))
+        await asyncio.sleep(plan.long_delay_s)
+        with_long, timings = await short_load(server, prompt_set("B-long", count, max_notes=1), plan,
+                                              groups=groups)
+        long = await long_task
+    long_first = long.started_s + long.ttft_s if long.ttft_s is not None else float("inf")
+    during = [t for t in timings if t.started_s < long_first]
+    result = Interference(
+        server=server.name, alone=alone, with_long=with_long,
+        p50_growth=ratio(with_long.ttft_p50_s, alone.ttft_p50_s),
+        p99_growth=ratio(with_long.ttft_p99_s, alone.ttft_p99_s),
+        long_prompt_tokens=long.prompt_tokens, long_ttft_s=long.ttft_s, long_error=long.error,
+        num_short_before_long_first_token=len(during),
+        during_ttft_p50_s=percentile(ttft_bounds(during), 50), during_ttft_p99_s=percentile(ttft_bounds(during), 99),
+        shorts=tuple({"sent_s": round(t.started_s - long.started_s, 3), "ttft_s": t.ttft_s,
+                      "total_s": round(t.total_s, 3), "error": t.error} for t in timings),
+    )
+    log(f"   alone p99 {fmt(alone.ttft_p99_s)} s, with long p99 {fmt(with_long.ttft_p99_s)} s "
+        f"(x{fmt(result.p99_growth)}), long TTFT {fmt(long.ttft_s)} s {long.error or ''}, "
+        f"others' CPU {alone.foreign_cpu_share:.0%} / {with_long.foreign_cpu_share:.0%}")
+    return result
+
+
+async def scenario_b(servers: list[ServerProcess], plan: Plan, long_chat: list[dict],
+                     results: list[Interference], save: Callable[[], None]) -> None:
+    groups = {s.group for s in servers}
+    for server in servers:
+        results.append(await interference(server, plan, long_chat, groups=groups))
+        save()
+
+
+async def quiet(groups: set[int]) -> None:
+    """Waits (boundedly) for other processes on this small machine to leave the CPU alone."""
+    share = await wait_for_quiet(groups, max_wait_s=QUIET_WAIT_S)
+    if share >= 0.2:
+        log(f"   machine busy: others use {share:.0%} of the CPU; measuring anyway")
+
+
+# --- warm-up, reports, main ----------------------------------------------------------------
+
+
+async def warm_up(server: ServerProcess, model_dir: Path) -> list[str]:
+    """Runs first-use work (allocations, a full prefill chunk, a small batch); returns errors seen."""
+    async with client() as http:
+        timings = [await request(http, server, chat, max_tokens=8)
+                   for chat in prompt_set(f"warm-{server.name}", 2, max_notes=2)]
+        chat = long_prompt(model_dir, 600, label=f"warm-long-{server.name}")
+        timings.append(await request(http, server, chat, max_tokens=4))
+        timings += await asyncio.gather(*(request(http, server, c, max_tokens=8)
+                                          for c in prompt_set(f"warm-batch-{server.name}", 4, max_notes=2)))
+    errors = [f"warm-up request {i}: {e}" for i, e in enumerate(failures(timings))]
+    for e in errors:
+        log(f"   {server.name} {e}")
+    return errors
+
+
+def bound(value: float | None, censored: bool) -> str:
+    """Returns `value` formatted, marked ">=" when it includes failed requests (a lower bound)."""
+    return (">=" if censored and value is not None else "") + fmt(value)
+
+
+def table_a(rounds: list[Round]) -> str:
+    by = {(r.server, r.concurrency): r for r in rounds}
+    rows = ["| N | requests | omlx tok/s | mlx_lm tok/s | tok/s ratio | omlx TTFT p50 (s) | mlx_lm TTFT p50 (s) "
+            "| p50 ratio | omlx TTFT p99 (s) | mlx_lm TTFT p99 (s) | p99 ratio | errors (omlx / mlx_lm) "
+            "| retried connects (omlx / mlx_lm) | others' CPU (omlx / mlx_lm) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in sorted({r.concurrency for r in rounds}):
+        o, m = by.get(("omlx", n)), by.get(("mlx_lm", n))
+        if o is None or m is None:
+            continue
+        oc, mc = o.num_errors > 0, m.num_errors > 0
+        rows.append(
+            f"| {n} | {o.num_requests} | {o.tok_s:.1f} | {m.tok_s:.1f} | {fmt(ratio(o.tok_s, m.tok_s))} "
+            f"| {bound(o.ttft_p50_s, oc)} | {bound(m.ttft_p50_s, mc)} | {fmt(ratio(o.ttft_p50_s, m.ttft_p50_s))} "
+            f"| {bound(o.ttft_p99_s, oc)} | {bound(m.ttft_p99_s, mc)} | {fmt(ratio(o.ttft_p99_s, m.ttft_p99_s))} "
+            f"| {o.num_errors} / {m.num_errors} | {o.num_retries} / {m.num_retries} "
+            f"| {o.foreign_cpu_share:.0%} / {m.foreign_cpu_share:.0%} |")
+    return "\n".join(rows)
+
+
+def table_b(results: list[Interference]) -> str:
+    rows = ["| server | short TTFT p50 alone (s) | p99 alone (s) | p50 with long (s) | p99 with long (s) "
+            "| p99 growth | p50 / p99 of shorts sent during the prefill (s) | short completion p50 alone / with long (s) "
+            "| long prompt tokens | long TTFT (s) | errors | others' CPU (alone / with) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ac, wc = r.alone.num_errors > 0, r.with_long.num_errors > 0
+        during_c = any(x["error"] for x in r.shorts if r.long_ttft_s is None or x["sent_s"] < r.long_ttft_s)
+        growth = (">=" if wc and not ac else "") + fmt(r.p99_growth)
+        rows.append(
+            f"| {r.server} | {bound(r.alone.ttft_p50_s, ac)} | {bound(r.alone.ttft_p99_s, ac)} "
+            f"| {bound(r.with_long.ttft_p50_s, wc)} | {bound(r.with_long.ttft_p99_s, wc)} | {growth}x "
+            f"| {bound(r.during_ttft_p50_s, during_c)} / {bound(r.during_ttft_p99_s, during_c)} "
+            f"(n={r.num_short_before_long_first_token}) "
+            f"| {fmt(r.alone.total_p50_s)} / {bound(r.with_long.total_p50_s, wc)} | {r.long_prompt_tokens or '–'} "
+            f"| {fmt(r.long_ttft_s, '.1f')}{' ' + r.long_error if r.long_error else ''} "
+            f"| {r.alone.num_errors + r.with_long.num_errors + (r.long_error is not None)} "
+            f"| {r.alone.foreign_cpu_share:.0%} / {r.with_long.foreign_cpu_share:.0%} |")
+    return "\n".join(rows)
+
+
+def report(record: dict, plan: Plan) -> str:
+    """Returns the markdown tables of a (possibly partial) record."""
+    parts = []
+    if record["scenario_a"]:
+        parts += [f"Scenario A: {plan.max_tokens}-token completions, N concurrent streaming clients "
+                  f"(max(N, {plan.min_requests}) requests per N)\n", table_a(record["scenario_a"]), ""]
+    if record["scenario_b"]:
+        parts += [f"Scenario B: {plan.short_clients} clients x {plan.short_requests_per_client} short requests "
+                  f"(max_tokens {plan.short_max_tokens}), alone and during a {plan.long_prompt_tokens}-token "
+                  "prefill\n", table_b(record["scenario_b"]), ""]
+    parts.append("Ratios are omlx / mlx_lm (tok/s: above 1 favours omlx; TTFT: below 1 favours omlx). "
+                 "\"others' CPU\": share of the machine used by processes other than the benchmark and its "
+                 "servers while measuring. \">=\": includes requests that failed (timed out), counted with the "
+                 "time they failed after.")
+    return "\n".join(parts)
+
+
+async def measure(servers: list[ServerProcess], plan: Plan, model_dir: Path, record: dict,
+                  save: Callable[[], None], *, scenarios: str) -> None:
+    for server in servers:
+        log(f"warming up {server.name}")
+        record["warm_up_errors"][server.name] = await warm_up(server, model_dir)
+    if "a" in scenarios:
+        await scenario_a(servers, plan, record["scenario_a"], save)
+    if "b" in scenarios:
+        long_chat = long_prompt(model_dir, plan.long_prompt_tokens, label="B-long-prompt")
+        await scenario_b(servers, plan, long_chat, record["scenario_b"], save)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a reduced run (N in 1, 4; fewer requests)")
+    parser.add_argument("--only", choices=("a", "b"), help="run one scenario only")
+    parser.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
+                        help="an extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prefill-step-size=512)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/out/throughput*.json)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
+    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "", "-variant" * bool(args.mlx_lm_arg)])
+    out = args.out or OUT_DIR / f"throughput{suffix}.json"
+    model_dir = converted_model_dir()
+    # SIGTERM unwinds like Ctrl-C, so the servers below are stopped either way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.time()
+    record: dict = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "bench/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        "complete": False,
+        "machine": machine(),
+        "model_dir": str(model_dir),
+        "plan": plan,
+        "mlx_lm_args": mlx_lm_args,
+        "warm_up_errors": {},
+        "scenario_a": [],
+        "scenario_b": [],
+    }
+
+    def save() -> None:
+        record["duration_s"] = round(time.time() - started, 1)
+        write_json(out, record)
+
+    with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp, contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
+                                            max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx")),
+            stack.enter_context(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm")),
+        ]
+        record["servers"] = {s.name: s.argv for s in servers}
+        record["omlx_config"] = (Path(tmp) / "omlx.toml").read_text()
+        try:
+            for server in servers:
+                log(f"starting {server.name}: {' '.join(server.argv)}")
+                server.start()
+            asyncio.run(measure(servers, plan, model_dir, record, save, scenarios=args.only or "ab"))
+            record["complete"] = True
+        finally:
+            record["log_tails"] = {s.name: s.log_tail(60) for s in servers}
+            save()
+    print(report(record, plan))
+    print(f"\nResults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
