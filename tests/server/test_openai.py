@@ -38,8 +38,11 @@ def test_chat_answers_with_usage(client: openai.OpenAI):
 
 def test_cached_tokens_count_a_revisited_prompt(client: openai.OpenAI):
     messages = [{"role": "user", "content": "Name three rivers of Europe, one per line."}]
-    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8)
-    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8)
+    salt = {"cache_salt": "revisit-test"}  # a tenant of its own: nothing cached before
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8,
+                                           extra_body=salt)
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=8,
+                                           extra_body=salt)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     assert again.choices[0].message.content == first.choices[0].message.content
