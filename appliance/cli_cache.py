@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from appliance.cache.keys import model_dir, tenant_dir
 from appliance.config import ConfigError, LoadedConfig, load_spec
 
 ADMIN_TIMEOUT_S = 600.0
@@ -94,16 +95,16 @@ def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
         if args.verb == "stats":
             return {"ssd": tier.stats(), "server": "not running"}
         if args.verb == "clear":
-            prefix = model_group_prefix(config, args.model) if args.model else None
+            prefix = model_dir(model_weights(config, args.model)) if args.model else None
             return {"removed_blocks": tier.clear(prefix), "model": args.model}
         if args.verb == "export":
-            group = f"{model_group_prefix(config, args.model)}/default"
+            group = tenant_dir(model_weights(config, args.model))
             return {"exported_blocks": tier.export(group, args.path), "path": str(args.path)}
         return {"imported_blocks": tier.import_archive(args.path), "path": str(args.path)}
 
 
-def model_group_prefix(config: LoadedConfig, name: str | None) -> str:
-    """Returns the SSD directory of a model's blocks: its weights fingerprint."""
+def model_weights(config: LoadedConfig, name: str | None) -> str:
+    """Returns the weights fingerprint of a configured model (its cache's identity)."""
     from appliance.models.fingerprint import weights_fingerprint
     from appliance.models.source import materialize
     from appliance.platform import resolve_dtype
@@ -114,4 +115,4 @@ def model_group_prefix(config: LoadedConfig, name: str | None) -> str:
     cache_dir = config.spec.cache.path(config.base_dir)
     path = materialize(spec.source, base_dir=config.base_dir, cache_dir=cache_dir,
                        dtype=resolve_dtype(spec.dtype) or "float32")
-    return weights_fingerprint(path, memo_dir=cache_dir)[:16]
+    return weights_fingerprint(path, memo_dir=cache_dir)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.cache.keys import tenant_dir
 from appliance.cache.kv import probe_layout
 from appliance.cache.model_cache import ModelCache
 from appliance.cache.store import KVStore
@@ -189,7 +190,7 @@ class Appliance:
         entry = self.resolve(model)
         if entry.engine is None or entry.engine.cache is None:
             raise ModelUnavailable(f"model {entry.spec.name} has no cache to export (state {entry.state})")
-        return self._ssd().export(f"{entry.engine.cache.group_prefix}/default", path)
+        return self._ssd().export(tenant_dir(entry.engine.cache.weights), path)
 
     def import_cache(self, path: Path) -> int:
         """Verifies and stores the blocks of an archive; returns how many were imported."""

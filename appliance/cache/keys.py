@@ -71,4 +71,14 @@ def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_token
     }
     root = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).digest()
     # The directory names the weights and tenant for people; the root keys everything else.
-    return KeySpace(root=root, group=f"{weights[:16]}/{tenant}", block_tokens=block_tokens)
+    return KeySpace(root=root, group=tenant_dir(weights, tenant), block_tokens=block_tokens)
+
+
+def model_dir(weights: str) -> str:
+    """Returns the SSD directory holding every tenant's blocks of a model (by weights)."""
+    return weights[:16]
+
+
+def tenant_dir(weights: str, tenant: str = DEFAULT_GROUP) -> str:
+    """Returns the cache group (SSD directory) of one tenant's blocks of a model."""
+    return f"{model_dir(weights)}/{tenant}"

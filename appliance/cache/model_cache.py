@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache
 
-from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space
+from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space, model_dir
 from appliance.cache.kv import build_cache, cut_blocks
 from appliance.cache.store import SSD, KVStore
 
@@ -83,7 +83,7 @@ class ModelCache:
     @property
     def group_prefix(self) -> str:
         """The SSD directory of every tenant of this model."""
-        return self.weights[:16]
+        return model_dir(self.weights)
 
     def space(self, tenant: str) -> KeySpace:
         with self._lock:

@@ -163,9 +163,12 @@ class Reconciler:
     async def _batching(self, action: SetBatching, desired: LoadedConfig) -> Step:
         engines = [e.engine for e in self.appliance.models.values() if e.engine is not None]
         old = self.appliance.spec.batching
-        for engine in engines:
-            engine.set_limits(action.batching)
-        return Step(undo=lambda: [engine.set_limits(old) for engine in engines] and None)
+        def set_all(limits) -> None:
+            for engine in engines:
+                engine.set_limits(limits)
+
+        set_all(action.batching)
+        return Step(undo=lambda: set_all(old))
 
     async def _kernels(self, action: SelectKernels, desired: LoadedConfig) -> Step:
         # No native kernel exists yet: the selection is recorded and shown in the status.
