@@ -194,13 +194,19 @@ class Engine:
         """Returns the commands that arrived since the last step; None once stopping."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
-                       or self._stopping or self._wakeups):
+                       or self._stopping or self._wakeups or self._admissible()):
                 self._cond.wait()
             if self._stopping:
                 return None
             commands, self._commands = self._commands, _Commands()
             self._wakeups = 0
             return commands
+
+    def _admissible(self) -> bool:
+        """True when a waiting request could start now (a batch that just emptied at once
+        leaves queued requests with nothing else to wake the engine)."""
+        return len(self._running) < self.limits.max_running and any(
+            s.prefetch is None or s.prefetch.done() for s in self._waiting)
 
     def _new_batch(self) -> Scheduler:
         return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens)

@@ -84,6 +84,27 @@ def test_cancel_frees_the_slot_for_the_next_request(engine, loaded_model):
     assert engine.num_live == 0
 
 
+def test_queued_requests_start_when_the_whole_batch_finishes_at_once(loaded_model):
+    # Identical requests prefilled in one step end in the same step, leaving nothing
+    # running: the queued ones must start then, not wait for a later request to wake the engine.
+    engine = Engine(loaded_model, BatchingSpec(max_running=3, max_queued=2, prefill_chunk_tokens=512)).start()
+
+    async def main():
+        with engine._cond:  # all five arrive in one step, so the first three run in lockstep
+            handles = [engine.submit(request(loaded_model, QUESTIONS[2], max_tokens=6)) for _ in range(5)]
+
+        async def drain(handle):
+            return [e.token_ids async for e in handle if isinstance(e, Delta)]
+
+        return await asyncio.wait_for(asyncio.gather(*map(drain, handles)), timeout=120)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop(drain_s=0)
+    assert len({str(r) for r in results}) == 1
+
+
 def test_seeded_sampling_is_reproducible_inside_a_batch(engine, loaded_model):
     sampling = SamplingParams(temperature=1.0, seed=1234)
 
