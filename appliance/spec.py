@@ -73,6 +73,11 @@ class BatchingSpec(Frozen):
     max_running: int = Field(8, ge=1, le=1024)
     max_queued: int = Field(64, ge=0, le=100_000)
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
+    prefill_step_ms: int = Field(250, ge=0, le=600_000)  # 0: chunks sized by tokens only
+
+    @property
+    def prefill_step_s(self) -> float | None:
+        return self.prefill_step_ms / 1000 if self.prefill_step_ms else None
 
 
 class KernelsSpec(Frozen):

@@ -442,13 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run (N in 1, 4; fewer requests)")
     parser.add_argument("--only", choices=("a", "b"), help="run one scenario only")
+    parser.add_argument("--omlx-only", action="store_true",
+                        help="skip mlx_lm.server (for iterating; published figures come from runs with both)")
     parser.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
                         help="an extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prefill-step-size=512)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/out/throughput*.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
-    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "", "-variant" * bool(args.mlx_lm_arg)])
+    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "", "-variant" * bool(args.mlx_lm_arg),
+                      "-omlx" * args.omlx_only])
     out = args.out or OUT_DIR / f"throughput{suffix}.json"
     model_dir = converted_model_dir()
     # SIGTERM unwinds like Ctrl-C, so the servers below are stopped either way.
@@ -476,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                             max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx")),
             stack.enter_context(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm")),
-        ]
+        ][:1 if args.omlx_only else 2]
         record["servers"] = {s.name: s.argv for s in servers}
         record["omlx_config"] = (Path(tmp) / "omlx.toml").read_text()
         try:

@@ -142,6 +142,7 @@ class Engine:
             self.limits = limits
             if self._batch is not None:
                 self._batch.chunk_tokens = limits.prefill_chunk_tokens
+                self._batch.step_s = limits.prefill_step_s
             self._cond.notify()
 
     def cancel(self, slot: Slot) -> None:
@@ -209,7 +210,8 @@ class Engine:
             s.prefetch is None or s.prefetch.done() for s in self._waiting)
 
     def _new_batch(self) -> Scheduler:
-        return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens)
+        return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
+                         step_s=self.limits.prefill_step_s)
 
     def _admit(self) -> None:
         """Moves waiting requests into the batch, oldest first, once their prefetch is done."""
@@ -255,20 +257,30 @@ class Engine:
             log.exception("cache save failed on model %s", self.loaded.name)
 
     def _step(self) -> None:
+        """One scheduler step: start and decode, hand the tokens out, then advance a prefill."""
         try:
             prefilled, generated = self._batch.step()
-        except Exception as e:  # an MLX failure fails this batch, not the engine
-            log.exception("engine step failed on model %s", self.loaded.name)
-            for slot in list(self._running.values()):
-                self._finish(slot, "error", error=f"generation failed: {e}")
-            self._running.clear()
-            self._batch = self._new_batch()
-            return
+        except Exception as e:
+            return self._failed(e)
+        self._deliver(prefilled, generated)
+        try:
+            self._batch.advance()
+        except Exception as e:
+            self._failed(e)
+
+    def _failed(self, error: Exception) -> None:
+        """An MLX failure fails the batch, not the engine."""
+        log.exception("engine step failed on model %s", self.loaded.name)
+        for slot in list(self._running.values()):
+            self._finish(slot, "error", error=f"generation failed: {error}")
+        self._running.clear()
+        self._batch = self._new_batch()
+
+    def _deliver(self, prefilled: list[int], generated: list) -> None:
         now = time.perf_counter()
-        for uid in prefilled:
-            slot = self._running.get(uid)
-            if slot is not None:
-                self._prefilled(slot, now)
+        started = [self._running[uid] for uid in prefilled if uid in self._running]
+        for slot in started:
+            slot.stats.prefilled_at = now
         for r in generated:
             slot = self._running.get(r.uid)
             if slot is None:
@@ -282,16 +294,17 @@ class Engine:
                 del self._running[r.uid]
                 events.append(self._finished(slot, reason))
             slot.handle._push(events)
+        for slot in started:  # after the tokens went out
+            self._prefilled(slot, now)
 
     def _prefilled(self, slot: Slot, now: float) -> None:
         """Records prefill speed and saves the prompt's KV, so concurrent requests share it."""
         stats = slot.stats
-        stats.prefilled_at = now
         computed = stats.prompt_tokens - stats.cached_tokens
         if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
             rate = computed / (now - stats.admitted_at)
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
-        if self.cache is not None:
+        if self.cache is not None and not slot.done:
             self._save(slot, *self._batch.extract(slot.uid))
 
     def _remove(self, slot: Slot) -> None:

@@ -1,13 +1,24 @@
 """Continuous batching on mlx-lm's batch primitives, with our own prefill policy.
 
-Each step runs one decode step for every generating request, then spends a budget of
-`chunk_tokens` prompt tokens on prefill, shortest remaining prompt first. A short
-prompt therefore never waits behind a long one (nor is it padded to the long one's
-chunk), and a long prompt advances one chunk per step between decode steps.
+A step has two halves, and the tokens reach clients between them:
+
+- `step()` starts the shortest waiting prompts, in one batched model call, while their
+  padded size fits the step's budget (`chunk_tokens`; four times that while nothing is
+  decoding, since then no stream can stall), then runs one decode step for every
+  generating request. Decoding is pipelined (mlx-lm's GenerationBatch returns the token
+  its previous call computed), so a request started here gets its first token from this
+  same step.
+- `advance()` spends what is left of the budget on one chunk of the shortest prompt
+  that is too long to start at once. With `step_s` set, the chunk is sized from that
+  prompt's measured speed (which falls as its context grows) to take about `step_s`,
+  so streams decoding beside a long prompt, and requests arriving meanwhile, wait at
+  most about that long. A prompt counts as too long to start at once when it would take
+  more than `START_STEPS` such chunks.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +33,10 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
+START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
+IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
+
 
 @dataclass
 class _Prefill:
@@ -30,6 +45,11 @@ class _Prefill:
     uid: int
     batch: PromptProcessingBatch
     remaining: list[int]  # prompt tokens not yet in the cache, the last one included
+    s_per_token: float | None = None  # measured on its last chunk (grows with the context)
+
+    @property
+    def todo(self) -> int:
+        return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
 @dataclass(frozen=True)
@@ -45,12 +65,15 @@ class Generated:
 
 
 class Scheduler:
-    def __init__(self, model: nn.Module, *, chunk_tokens: int):
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None):
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.step_s = step_s  # None: chunks are sized by tokens only
         self._prefills: list[_Prefill] = []
         self._generation = GenerationBatch.empty(model, greedy_sampler)
         self._next_uid = 0
+        self._budget_left = 0
+        self._start_s_per_token: float | None = None  # measured when prompts were last started
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)
@@ -71,36 +94,76 @@ class Scheduler:
         return uid
 
     def step(self) -> tuple[list[int], list[Generated]]:
-        """Runs one step; returns the uids whose prefill finished and the decoded tokens."""
+        """Starts the prompts that fit this step, then decodes one token for every running
+        request; returns the uids that started and the decoded tokens."""
         with mx.stream(generation_stream):
+            started = self._start()
             generated = self._decode()
-            prefilled = self._prefill()
-        return prefilled, generated
+        return started, generated
+
+    def _start(self) -> list[int]:
+        """Prefills, in one batched call, the shortest prompts whose padded size fits the
+        budget, and moves them into the generation batch."""
+        budget = self.chunk_tokens * (1 if len(self._generation) else IDLE_BUDGET_FACTOR)
+        group: list[_Prefill] = []
+        for p in sorted(self._prefills, key=lambda p: p.todo):
+            # Shortest first: p is the longest of the group, so the padded size is count x p.todo.
+            if (len(group) + 1) * p.todo > budget:
+                break
+            if p.todo <= START_STEPS * self._timed_chunk(p):
+                group.append(p)
+        self._budget_left = self.chunk_tokens
+        if not group:
+            return []
+        for p in group:
+            self._prefills.remove(p)
+        batch = group[0].batch
+        for p in group[1:]:
+            batch.extend(p.batch)
+        todo = [p.remaining[:-1] for p in group]
+        padded = len(group) * max(map(len, todo))
+        self._budget_left -= padded
+        if padded:
+            started = time.perf_counter()
+            batch.prompt(todo)
+            self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
+        self._generation.extend(batch.generate([p.remaining[-1:] for p in group]))
+        return [p.uid for p in group]
+
+    def advance(self) -> None:
+        """Spends the rest of this step's budget on one chunk of the shortest prompt left."""
+        pending = [p for p in self._prefills if p.todo > 0]
+        if self._budget_left <= 0 or not pending:
+            return
+        p = min(pending, key=lambda p: p.todo)
+        n = min(p.todo, self._budget_left, self._timed_chunk(p))
+        self._budget_left = 0
+        with mx.stream(generation_stream):
+            started = time.perf_counter()
+            p.batch.prompt([p.remaining[:n]])
+        p.s_per_token = self._measured(started, n, p.s_per_token)
+        p.remaining = p.remaining[n:]
+
+    @staticmethod
+    def _measured(started: float, num_tokens: int, previous: float | None) -> float | None:
+        """Returns the seconds per token of a prefill call that began at `started`."""
+        if num_tokens < MIN_CHUNK_TOKENS:
+            return previous  # too few tokens to time
+        return (time.perf_counter() - started) / num_tokens
+
+    def _timed_chunk(self, p: _Prefill) -> int:
+        """Returns how many of `p`'s tokens take about `step_s`: at its own last measured
+        speed, else at the speed prompts were last started with."""
+        s_per_token = p.s_per_token or self._start_s_per_token
+        if self.step_s is None or not s_per_token:
+            return self.chunk_tokens
+        return max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, int(self.step_s / s_per_token)))
 
     def _decode(self) -> list[Generated]:
         if not len(self._generation):
             return []
         return [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
                 for r in self._generation.next()]
-
-    def _prefill(self) -> list[int]:
-        """Spends this step's prefill budget, shortest remaining prompt first."""
-        budget = self.chunk_tokens
-        done = []
-        for p in sorted(self._prefills, key=lambda p: len(p.remaining)):
-            if budget <= 0:
-                break
-            todo = len(p.remaining) - 1  # the last token is the first decode step's input
-            n = min(todo, budget)
-            if n > 0:
-                p.batch.prompt([p.remaining[:n]])
-                p.remaining = p.remaining[n:]
-                budget -= n
-            if len(p.remaining) == 1:
-                self._prefills.remove(p)
-                self._generation.extend(p.batch.generate([p.remaining]))
-                done.append(p.uid)
-        return done
 
     def extract(self, uid: int) -> tuple[list | None, list[int] | None]:
         """Returns a copy of the request's KV and the tokens it holds."""

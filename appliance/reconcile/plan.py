@@ -38,7 +38,7 @@ class SetBatching:
     def describe(self) -> str:
         b = self.batching
         return (f"set batching limits: max_running {b.max_running}, max_queued {b.max_queued}, "
-                f"prefill_chunk_tokens {b.prefill_chunk_tokens}")
+                f"prefill_chunk_tokens {b.prefill_chunk_tokens}, prefill_step_ms {b.prefill_step_ms}")
 
 
 @dataclass(frozen=True)
