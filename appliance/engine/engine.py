@@ -1,9 +1,10 @@
 """The engine: one thread per model running continuous batching (see scheduler.py).
 
-Requests join the running batch at any step and leave when done; prefill runs in
-chunks of `prefill_chunk_tokens`, shortest prompt first, between decode steps, so a
-long prompt never stalls streams already generating. All MLX work happens on the engine's
-own thread; the asyncio side only submits, cancels and reads events.
+Requests join the running batch at any step and leave when done; short prompts start
+together and get their first token in the step that prefilled them, long ones advance in
+time-sized chunks between decode steps, so a long prompt never stalls streams already
+generating. Tokens go out between a step's decode and its prefill chunk. All MLX work
+happens on the engine's own thread; the asyncio side only submits, cancels and reads events.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ class RequestHandle:
                 if isinstance(event, Finished):
                     self.finished = event
                 yield event
+
+
+def _push_all(deliveries: list[tuple[RequestHandle, list]]) -> None:
+    """Hands a step's events to their requests with one wake-up per event loop, not one
+    per request (64 streams decoding would otherwise mean 64 cross-thread calls a step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for handle, events in deliveries:
+        by_loop.setdefault(handle._loop, []).append((handle._events, events))
+    for loop, batch in by_loop.items():
+        if not loop.is_closed():  # a closed loop has no one left to read the events
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, list]]) -> None:
+    for queue, events in batch:
+        queue.put_nowait(events)
 
 
 @dataclass
@@ -281,6 +298,7 @@ class Engine:
         started = [self._running[uid] for uid in prefilled if uid in self._running]
         for slot in started:
             slot.stats.prefilled_at = now
+        deliveries = []
         for r in generated:
             slot = self._running.get(r.uid)
             if slot is None:
@@ -293,19 +311,27 @@ class Engine:
                     self._save(slot, r.cache, r.tokens)
                 del self._running[r.uid]
                 events.append(self._finished(slot, reason))
-            slot.handle._push(events)
+            deliveries.append((slot.handle, events))
+        _push_all(deliveries)
         for slot in started:  # after the tokens went out
             self._prefilled(slot, now)
 
     def _prefilled(self, slot: Slot, now: float) -> None:
-        """Records prefill speed and saves the prompt's KV, so concurrent requests share it."""
+        """Records prefill speed and saves the prompt's full KV blocks, so concurrent requests
+        share them."""
         stats = slot.stats
         computed = stats.prompt_tokens - stats.cached_tokens
         if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
             rate = computed / (now - stats.admitted_at)
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
-        if self.cache is not None and not slot.done:
-            self._save(slot, *self._batch.extract(slot.uid))
+        if self.cache is None or slot.done:
+            return
+        # Full blocks only: the prompt's partial tail block is saved once, at the finish,
+        # holding the generated tokens too.
+        full = stats.prompt_tokens // self.cache.block_tokens * self.cache.block_tokens
+        if full > stats.cached_tokens:
+            cache, tokens = self._batch.extract(slot.uid)
+            self._save(slot, cache, tokens[:full] if tokens else None)
 
     def _remove(self, slot: Slot) -> None:
         """Takes a request out of the batch, keeping its KV."""
