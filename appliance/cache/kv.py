@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from appliance.cache.keys import KeySpace, KVLayout
 
@@ -78,16 +78,37 @@ def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip
     return blocks
 
 
-def build_cache(blocks: list[KVBlock], num_tokens: int) -> list[KVCache]:
-    """Returns one KVCache per layer holding the first `num_tokens` tokens of `blocks`."""
-    keys = mx.concatenate([blk.keys for blk in blocks], axis=2)[:, :, :num_tokens]
-    values = mx.concatenate([blk.values for blk in blocks], axis=2)[:, :, :num_tokens]
-    mx.eval(keys, values)
+def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCache]:
+    """Returns the first `num_tokens` tokens of `blocks` as the engine's batch-of-one cache,
+    one BatchKVCache per layer.
+
+    Each layer's keys and values are written once, straight into a buffer with a step of
+    free room, so neither mlx-lm's merge nor the first decode steps copy them again:
+    every copy of a restored prefix is fresh memory, and page faults, not bandwidth,
+    bound how fast a large prefix comes back.
+    """
+    layers, heads = blocks[0].keys.shape[:2]
+    room = -num_tokens % BatchKVCache.step or BatchKVCache.step
+
+    def layer_of(arrays: list[mx.array], layer: int) -> mx.array:
+        parts, left = [], num_tokens
+        for a in arrays:
+            parts.append(a[layer, :, :left])
+            left -= parts[-1].shape[1]
+            if left <= 0:
+                break
+        pad = mx.broadcast_to(mx.zeros((), dtype=arrays[0].dtype), (heads, room, arrays[0].shape[3]))
+        return mx.concatenate([*parts, pad], axis=1)[None]
+
     caches = []
-    for layer in range(keys.shape[0]):
-        c = KVCache()
-        c.keys, c.values, c.offset = keys[layer][None], values[layer][None], num_tokens
+    for layer in range(layers):
+        c = BatchKVCache(left_padding=[0])
+        c.keys = layer_of([b.keys for b in blocks], layer)
+        c.values = layer_of([b.values for b in blocks], layer)
+        c.offset = mx.array([num_tokens])
+        c._idx = num_tokens
         caches.append(c)
+    mx.eval([(c.keys, c.values, c.offset) for c in caches])
     return caches
 
 

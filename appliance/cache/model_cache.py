@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space, model_dir
-from appliance.cache.kv import build_cache, cut_blocks
+from appliance.cache.kv import build_batch_cache, cut_blocks
 from appliance.cache.store import SSD, KVStore
 
 
@@ -45,7 +45,7 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Restored:
-    cache: list[KVCache] | None
+    cache: list[BatchKVCache] | None  # the engine's batch-of-one cache, one per layer
     num_tokens: int
     tiers: dict[str, int]  # tokens restored from each tier
 
@@ -166,7 +166,7 @@ class ModelCache:
         self.counters["hits" if used else "misses"] += 1
         if not blocks:
             return Restored(None, 0, {})
-        return Restored(build_cache(blocks, used), used, dict(tiers))
+        return Restored(build_batch_cache(blocks, used), used, dict(tiers))
 
     def save(self, cache: list[KVCache], tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
              skip_tokens: int = 0) -> int:

@@ -80,16 +80,19 @@ class Scheduler:
 
     def insert(self, prompt: list[int], *, max_tokens: int, cache: list | None, cached_tokens: list[int],
                sampler: Any, processors: list, stop: StopSequences) -> int:
-        """Returns the uid of a new request; `cache` holds the KV of `cached_tokens` (restored)."""
+        """Returns the uid of a new request; `cache` is the batch-of-one cache (one
+        BatchKVCache per layer) holding the KV of `cached_tokens`, when restored."""
         if not prompt:
             raise ValueError("the prompt must keep at least one token to process")
         uid = self._next_uid
         self._next_uid += 1
         batch = PromptProcessingBatch(
-            self.model, [uid], [cache if cache is not None else make_prompt_cache(self.model)],
+            self.model, [uid], [make_prompt_cache(self.model)],
             tokens=[list(cached_tokens)], prefill_step_size=self.chunk_tokens, samplers=[sampler],
             logits_processors=[processors], stop_sequences=[stop], max_tokens=[max_tokens],
         )
+        if cache is not None:
+            batch.prompt_cache = cache  # already merged: mlx-lm's merge would copy it again
         self._prefills.append(_Prefill(uid, batch, list(prompt)))
         return uid
 

@@ -2,10 +2,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from appliance.cache.keys import KVLayout, key_space
-from appliance.cache.kv import (build_cache, cut_blocks, from_payload, probe_layout,
+from appliance.cache.kv import (build_batch_cache, cut_blocks, from_payload, probe_layout,
                                 to_payload)
 
 LAYERS, HEADS, DK, DV, B = 3, 2, 8, 4, 4
@@ -151,47 +151,53 @@ def test_blocks_own_contiguous_arrays():
         assert blk.keys.nbytes == LAYERS * HEADS * blk.num_tokens * DK * 4
 
 
-# --- build_cache -------------------------------------------------------------------
+# --- build_batch_cache -------------------------------------------------------------
 
 
-def test_build_cache_concatenates_blocks_per_layer():
+def contents(c: BatchKVCache) -> tuple[np.ndarray, np.ndarray]:
+    k, v = c.keys_and_values()
+    return np.array(k), np.array(v)
+
+
+def test_build_batch_cache_concatenates_blocks_per_layer_with_room_to_grow():
     source = fake_cache(len(TOKENS))
     blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
-    caches = build_cache(blocks, len(TOKENS))
-    assert len(caches) == LAYERS and all(type(c) is KVCache for c in caches)
+    caches = build_batch_cache(blocks, len(TOKENS))
+    assert len(caches) == LAYERS and all(type(c) is BatchKVCache for c in caches)
     for built, orig in zip(caches, source):
-        assert built.offset == len(TOKENS)
-        assert built.keys.shape == (1, HEADS, len(TOKENS), DK)
-        assert built.values.shape == (1, HEADS, len(TOKENS), DV)
-        np.testing.assert_array_equal(np.array(built.keys), np.array(orig.keys))
-        np.testing.assert_array_equal(np.array(built.values), np.array(orig.values))
+        assert built.offset.tolist() == [len(TOKENS)] and built.size() == len(TOKENS)
+        assert built.keys.shape[2] % BatchKVCache.step == 0 and built.keys.shape[2] > len(TOKENS)
+        k, v = contents(built)
+        np.testing.assert_array_equal(k, np.array(orig.keys))
+        np.testing.assert_array_equal(v, np.array(orig.values))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 6, 9])
-def test_build_cache_truncates_to_num_tokens(num_tokens):
+def test_build_batch_cache_truncates_to_num_tokens(num_tokens):
     source = fake_cache(len(TOKENS))
     blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
-    caches = build_cache(blocks, num_tokens)
-    for built, orig in zip(caches, source):
-        assert built.offset == num_tokens and built.keys.shape[2] == num_tokens
-        np.testing.assert_array_equal(np.array(built.keys), np.array(orig.keys[:, :, :num_tokens]))
-        np.testing.assert_array_equal(np.array(built.values), np.array(orig.values[:, :, :num_tokens]))
+    for built, orig in zip(build_batch_cache(blocks, num_tokens), source):
+        assert built.size() == num_tokens
+        k, v = contents(built)
+        np.testing.assert_array_equal(k, np.array(orig.keys[:, :, :num_tokens]))
+        np.testing.assert_array_equal(v, np.array(orig.values[:, :, :num_tokens]))
 
 
-def test_built_cache_extends_with_update_and_fetch():
+def test_built_cache_extends_in_place_without_touching_the_blocks():
     source = fake_cache(len(TOKENS))
     blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
-    caches = build_cache(blocks, 6)
+    caches = build_batch_cache(blocks, 6)
     rng = np.random.default_rng(7)
     new_k = mx.array(rng.standard_normal((1, HEADS, 3, DK), dtype=np.float32))
     new_v = mx.array(rng.standard_normal((1, HEADS, 3, DV), dtype=np.float32))
     for built, orig in zip(caches, source):
+        capacity = built.keys.shape[2]
         k, v = built.update_and_fetch(new_k, new_v)
-        assert built.offset == 9 and k.shape == (1, HEADS, 9, DK) and v.shape == (1, HEADS, 9, DV)
+        assert built.keys.shape[2] == capacity  # the room was used, nothing reallocated
+        assert built.offset.tolist() == [9] and k.shape == (1, HEADS, 9, DK) and v.shape == (1, HEADS, 9, DV)
         np.testing.assert_array_equal(np.array(k[:, :, :6]), np.array(orig.keys[:, :, :6]))
         np.testing.assert_array_equal(np.array(k[:, :, 6:]), np.array(new_k))
         np.testing.assert_array_equal(np.array(v[:, :, 6:]), np.array(new_v))
-    # Extending the rebuilt cache must not write into the stored blocks.
     np.testing.assert_array_equal(np.array(blocks[1].keys), snapshot(source, 4, 8)[0])
 
 
@@ -199,7 +205,7 @@ def test_built_cache_can_be_trimmed_and_overwritten_without_touching_blocks():
     source = fake_cache(B)
     blocks = cut_blocks(source, TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
     before = raw(blocks[0].keys)
-    for c in build_cache(blocks, B):
+    for c in build_batch_cache(blocks, B):
         c.trim(2)
         c.update_and_fetch(mx.zeros((1, HEADS, 2, DK)), mx.zeros((1, HEADS, 2, DV)))
         mx.eval(c.keys)
@@ -208,7 +214,7 @@ def test_built_cache_can_be_trimmed_and_overwritten_without_touching_blocks():
 
 def test_cut_of_a_built_cache_gives_the_same_blocks():
     blocks = cut_blocks(fake_cache(len(TOKENS)), TOKENS, SPACE, skip_tokens=0, is_known=never)
-    again = cut_blocks(build_cache(blocks, len(TOKENS)), TOKENS, SPACE, skip_tokens=0, is_known=never)
+    again = cut_blocks(build_batch_cache(blocks, len(TOKENS)), TOKENS, SPACE, skip_tokens=0, is_known=never)
     assert [b.key for b in again] == [b.key for b in blocks]
     for a, b in zip(again, blocks):
         np.testing.assert_array_equal(raw(a.keys), raw(b.keys))
