@@ -1,0 +1,64 @@
+"""The scheduler with the real model: batched starts, first token in the same step, timed chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from mlx_lm.generate import StopSequences
+from mlx_lm.sample_utils import greedy_sampler
+
+from appliance.engine.scheduler import MIN_CHUNK_TOKENS, Scheduler
+
+pytestmark = pytest.mark.slow
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def insert(s: Scheduler, prompt: list[int]) -> int:
+    return s.insert(prompt, max_tokens=4, cache=None, cached_tokens=[], sampler=greedy_sampler,
+                    processors=[], stop=StopSequences())
+
+
+def test_short_prompts_start_together_and_give_a_token_in_the_same_step(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    uids = [insert(s, tokens(40, seed)) for seed in range(3)]
+    started, generated = s.step()
+    assert sorted(started) == uids
+    assert sorted(g.uid for g in generated) == uids  # the first tokens, not one step later
+
+
+def test_a_long_prompt_advances_in_chunks_sized_by_its_measured_speed(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=1e-6)  # any measured chunk is too slow
+    insert(s, tokens(2000))  # longer than four idle budgets: chunked, never started at once
+    long = s._prefills[0]
+    s.step()
+    s.advance()  # nothing measured yet: a whole chunk
+    assert long.todo == 1999 - 256 and long.s_per_token is not None
+    s.step()
+    s.advance()  # now sized by time: the smallest chunk
+    assert long.todo == 1999 - 256 - MIN_CHUNK_TOKENS
+
+
+def test_without_a_time_slice_chunks_are_sized_by_tokens(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=128, step_s=None)
+    insert(s, tokens(700))  # more than four idle budgets of 128
+    long = s._prefills[0]
+    for _ in range(2):
+        s.step()
+        s.advance()
+    assert long.todo == 699 - 2 * 128
+
+
+def test_a_short_prompt_starts_ahead_of_a_long_one_being_chunked(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None)
+    long_uid = insert(s, tokens(2000))
+    s.step()
+    s.advance()
+    short_uid = insert(s, tokens(30, seed=1))
+    started, generated = s.step()
+    assert started == [short_uid] and [g.uid for g in generated] == [short_uid]
+    assert long_uid not in started
