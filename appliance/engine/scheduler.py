@@ -11,8 +11,9 @@ A step has two halves, and the tokens reach clients between them:
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
   prompt's measured speed (which falls as its context grows) to take about `step_s`,
-  so streams decoding beside a long prompt, and requests arriving meanwhile, wait at
-  most about that long. A prompt counts as too long to start at once when it would take
+  so streams decoding beside a long prompt wait at most about that long (a prompt
+  prefilled alone gets `ALONE_STEPS` times longer slices: tiny chunks cost it throughput,
+  and only a request yet to arrive would wait). A prompt counts as too long to start at once when it would take
   more than `START_STEPS` such chunks.
 """
 
@@ -36,6 +37,7 @@ from mlx_lm.sample_utils import greedy_sampler
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
 IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
+ALONE_STEPS = 4  # a prompt prefilled alone gets time slices this many times longer
 
 
 @dataclass
@@ -155,12 +157,16 @@ class Scheduler:
         return (time.perf_counter() - started) / num_tokens
 
     def _timed_chunk(self, p: _Prefill) -> int:
-        """Returns how many of `p`'s tokens take about `step_s`: at its own last measured
-        speed, else at the speed prompts were last started with."""
+        """Returns how many of `p`'s tokens take about `step_s` (`ALONE_STEPS` times that
+        while nothing else is running: small chunks cost a lone prompt throughput, and
+        only a request yet to arrive would wait), at its own last measured speed, else at
+        the speed prompts were last started with."""
         s_per_token = p.s_per_token or self._start_s_per_token
         if self.step_s is None or not s_per_token:
             return self.chunk_tokens
-        return max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, int(self.step_s / s_per_token)))
+        alone = not len(self._generation) and len(self._prefills) == 1
+        step_s = self.step_s * (ALONE_STEPS if alone else 1)
+        return max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, int(step_s / s_per_token)))
 
     def _decode(self) -> list[Generated]:
         if not len(self._generation):

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
-from appliance.engine.scheduler import MIN_CHUNK_TOKENS, Scheduler
+from appliance.engine.scheduler import ALONE_STEPS, MIN_CHUNK_TOKENS, Scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,18 @@ def test_a_long_prompt_advances_in_chunks_sized_by_its_measured_speed(loaded_mod
     s.step()
     s.advance()  # now sized by time: the smallest chunk
     assert long.todo == 1999 - 256 - MIN_CHUNK_TOKENS
+
+
+def test_a_prompt_prefilled_alone_gets_longer_time_slices(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    insert(s, tokens(3000))
+    long = s._prefills[0]
+    s.step()
+    s.advance()  # measures its speed
+    s.step_s = 100 * long.s_per_token  # a slice is 100 of its tokens
+    assert abs(s._timed_chunk(long) - 100 * ALONE_STEPS) <= 1  # float rounding
+    insert(s, tokens(3000, seed=1))  # another prompt is waiting too: no longer alone
+    assert abs(s._timed_chunk(long) - 100) <= 1
 
 
 def test_without_a_time_slice_chunks_are_sized_by_tokens(loaded_model):
