@@ -11,10 +11,10 @@ A step has two halves, and the tokens reach clients between them:
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
   prompt's measured speed (which falls as its context grows) to take about `step_s`,
-  so streams decoding beside a long prompt wait at most about that long (a prompt
-  prefilled alone gets `ALONE_STEPS` times longer slices: tiny chunks cost it throughput,
-  and only a request yet to arrive would wait). A prompt counts as too long to start at once when it would take
-  more than `START_STEPS` such chunks.
+  so streams decoding beside a long prompt wait at most about that long. A prompt
+  prefilled alone gets `ALONE_STEPS` times longer slices: tiny chunks cost it
+  throughput, and only a request yet to arrive would wait. A prompt counts as too long
+  to start at once when it would take more than `START_STEPS` such chunks.
 """
 
 from __future__ import annotations
