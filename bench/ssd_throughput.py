@@ -8,8 +8,8 @@ In one run, on the filesystem of `--dir` (default: the temp dir):
    through SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 45 KiB/token,
    11.8 MB a block) is stored under as many chained keys as fill the same number of bytes
    (`SsdTier.put`, fsync per block, as the writer does); then, after dropping the page cache
-   each time, every block is read back with `SsdTier.get` (the file mapped with
-   MADV_WILLNEED, then the header check and a crc32 over tokens and payload, which reads it): on 1 thread, on 2 threads
+   each time, every block is read back with `SsdTier.get` (one sequential read of the file,
+   then the header check and a crc32 over tokens and payload): on 1 thread, on 2 threads
    (reads and crc32 release the GIL), and on 1 thread followed by `kv.from_payload` (the MLX
    arrays a restore builds). Finally the same 1-thread read from the page cache (no disk:
    the verify-bound ceiling).

@@ -12,7 +12,6 @@ import errno
 import fcntl
 import io
 import logging
-import mmap
 import os
 import re
 import sqlite3
@@ -278,33 +277,29 @@ class SsdTier:
         return index
 
     def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None
-              ) -> tuple[bytes | mmap.mmap, Block] | None:
-        """Returns the file's bytes and its verified block, or None after dropping it.
-
-        The file is mapped, not read into a fresh buffer: the checksum then reads the page
-        cache in place, and the block's payload is a view of the mapping (valid even after
-        eviction unlinks the file; files are only ever replaced by rename, never rewritten).
-        """
+              ) -> tuple[bytes, Block] | None:
+        """Returns the file's bytes and its verified block, or None after dropping it."""
         started = time.perf_counter()
         try:
-            with open(self.root / entry.path, "rb") as f:
-                data = _map(f.fileno())
+            # One sequential read: FileIO.readall sizes its buffer from fstat.
+            with open(self.root / entry.path, "rb", buffering=0) as f:
+                data = f.read()
         except FileNotFoundError:
             self._drop(entry, MISSING, "file deleted behind the index")
             return None
-        except (OSError, ValueError) as e:
+        except OSError as e:
             self._drop(entry, UNREADABLE, str(e))
             return None
-        try:
-            block = decode(memoryview(data), key=entry.key, group=entry.group, tokens=tokens)
-        except BlockError as e:
-            self._drop(entry, e.reason, str(e))
-            return None
-        elapsed = time.perf_counter() - started  # the checksum read every byte
+        elapsed = time.perf_counter() - started
         with self._lock:
             self._counters.read_bytes += len(data)
             self._counters.read_s += elapsed
-        return data, block
+        try:
+            return data, decode(memoryview(data), key=entry.key, group=entry.group,
+                                tokens=tokens)
+        except BlockError as e:
+            self._drop(entry, e.reason, str(e))
+            return None
 
     def _drop(self, entry: IndexEntry, reason: str, detail: str) -> None:
         log.warning("SSD cache miss (%s) for %s: %s", reason, entry.path, detail)
@@ -400,16 +395,6 @@ class SsdTier:
         except BlockError as e:
             log.warning("archive member %s rejected: %s", member.name, e)
             return None
-
-
-def _map(fd: int) -> bytes | mmap.mmap:
-    """Returns a read-only mapping of the whole file (b"" when empty: it cannot be mapped)."""
-    if os.fstat(fd).st_size == 0:
-        return b""
-    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-        mapped.madvise(mmap.MADV_WILLNEED)  # start reading it all now
-    return mapped
 
 
 def _read_manifest(tar: tarfile.TarFile, members: list[tarfile.TarInfo]
