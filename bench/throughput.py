@@ -475,11 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, record)
 
     with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp, contextlib.ExitStack() as stack:
-        servers = [
-            stack.enter_context(omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
-                                            max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx")),
-            stack.enter_context(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm")),
-        ][:1 if args.omlx_only else 2]
+        servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
+                               max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx")]
+        if not args.omlx_only:
+            servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
+        for server in servers:
+            stack.enter_context(server)
         record["servers"] = {s.name: s.argv for s in servers}
         record["omlx_config"] = (Path(tmp) / "omlx.toml").read_text()
         try:

@@ -57,10 +57,6 @@ class RequestHandle:
         if self.finished is None:
             self._engine.cancel(self._slot)
 
-    def _push(self, events: list) -> None:
-        # Called on the engine thread.
-        self._loop.call_soon_threadsafe(self._events.put_nowait, events)
-
     async def __aiter__(self):
         while self.finished is None:
             for event in await self._events.get():
@@ -70,8 +66,9 @@ class RequestHandle:
 
 
 def _push_all(deliveries: list[tuple[RequestHandle, list]]) -> None:
-    """Hands a step's events to their requests with one wake-up per event loop, not one
-    per request (64 streams decoding would otherwise mean 64 cross-thread calls a step)."""
+    """Hands events to their requests from the engine thread, with one wake-up per event
+    loop, not one per request (64 streams decoding would otherwise mean 64 cross-thread
+    calls a step)."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for handle, events in deliveries:
         by_loop.setdefault(handle._loop, []).append((handle._events, events))
@@ -347,7 +344,7 @@ class Engine:
         self._finish(slot, reason)
 
     def _finish(self, slot: Slot, reason: str, *, error: str | None = None) -> None:
-        slot.handle._push([self._finished(slot, reason, error=error)])
+        _push_all([(slot.handle, [self._finished(slot, reason, error=error)])])
 
     def _finished(self, slot: Slot, reason: str, *, error: str | None = None) -> Finished:
         slot.done = True
