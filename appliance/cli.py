@@ -51,7 +51,7 @@ def run_check(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from appliance import platform
 
-    platform.ensure_blas_preloaded()  # may re-exec this process with OpenBLAS preloaded
+    platform.ensure_process_env()  # may re-exec this process (OpenBLAS, malloc tunables)
     try:
         loaded = load_spec(args.config)
     except ConfigError as e:

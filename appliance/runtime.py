@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance import platform
 from appliance.cache.keys import tenant_dir
 from appliance.cache.kv import probe_layout
 from appliance.cache.model_cache import ModelCache
@@ -92,6 +93,11 @@ class Appliance:
 
     def _load_all(self) -> None:
         self.store = self.open_store(self.spec.cache, self.cache_dir)
+        started = time.perf_counter()
+        touched = platform.prefault_heap(self.spec.cache.memory_bytes)
+        if touched:
+            log.info("pre-touched %.0f MiB of heap for KV buffers in %.2f s", touched / 2**20,
+                     time.perf_counter() - started)
         for entry in self.models.values():
             self.load_into(entry, self.config)
         self.loaded.set()

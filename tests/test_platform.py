@@ -1,0 +1,73 @@
+"""The Linux process environment: OpenBLAS preloading, glibc malloc tunables, a pre-touched heap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from appliance import platform
+from appliance.platform import MALLOC_TUNABLES, process_env
+
+OURS = ":".join(f"{k}={v}" for k, v in MALLOC_TUNABLES.items())
+linux_glibc = pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.is_glibc()),
+                                 reason="glibc on Linux only")
+
+
+def test_adds_openblas_and_the_malloc_tunables_once():
+    env = process_env({"PATH": "/bin", "LD_PRELOAD": "/x.so"}, blas="/blas.so", blas_loaded=False, glibc=True)
+    assert env["LD_PRELOAD"] == "/blas.so:/x.so"
+    assert env["GLIBC_TUNABLES"] == OURS
+    assert env["PATH"] == "/bin"
+    assert process_env(env, blas="/blas.so", blas_loaded=False, glibc=True) is None  # re-executed once only
+
+
+def test_keeps_tunables_the_user_set():
+    env = process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.mem.tagging=1"}, blas=None,
+                      blas_loaded=False, glibc=True)
+    tunables = env["GLIBC_TUNABLES"].split(":")
+    assert "glibc.malloc.arena_max=4" in tunables and "glibc.mem.tagging=1" in tunables
+    assert "glibc.malloc.arena_max=1" not in tunables
+    assert f"glibc.malloc.trim_threshold={MALLOC_TUNABLES['glibc.malloc.trim_threshold']}" in tunables
+
+
+def test_nothing_to_change_means_no_re_exec():
+    assert process_env({"GLIBC_TUNABLES": OURS}, blas="/blas.so", blas_loaded=True, glibc=True) is None
+    assert process_env({}, blas=None, blas_loaded=False, glibc=False) is None  # musl, no OpenBLAS
+
+
+def run_python(code: str) -> str:
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("GLIBC_TUNABLES", "OMLX_PROCESS_ENV")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@linux_glibc
+def test_the_process_re_executes_itself_with_the_tunables():
+    out = run_python("from appliance import platform; platform.ensure_process_env(); "
+                     "print(platform.malloc_tuned())")
+    assert out.split() == ["True"]
+
+
+@linux_glibc
+def test_a_pre_touched_heap_serves_later_buffers_without_page_faults():
+    # Fresh pages show as minor faults (how many pages one fault maps varies by kernel):
+    # after prefault_heap, 200 MiB of buffers under the mmap threshold need almost none.
+    code = """
+import resource, sys
+import numpy as np
+from appliance import platform
+platform.ensure_process_env()
+touched = platform.prefault_heap(int(sys.argv[1]) << 20)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+bufs = [np.ones(10 << 20, dtype=np.uint8) for _ in range(20)]
+print(touched >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+    pages = (200 << 20) // 4096
+    touched, warm_faults = map(int, run_python(code.replace("sys.argv[1]", "256")).split())
+    assert touched == 256 and warm_faults < pages // 100
+    touched, cold_faults = map(int, run_python(code.replace("sys.argv[1]", "0")).split())
+    assert touched == 0 and cold_faults > 10 * max(warm_faults, 1)
