@@ -26,8 +26,8 @@ from pathlib import Path
 import orjson
 
 from appliance.cache.block import (FORMAT_VERSION, MISSING, Block, BlockError, decode,
-                                   encode_head, fsync_dir, is_valid_group, read_tokens, relative_path,
-                                   write_atomic)
+                                   encode_head, fsync_dir, is_valid_group, read_file, read_tokens,
+                                   relative_path, write_atomic)
 from appliance.cache.ssd_index import IndexEntry, SsdIndex, unlink_quietly
 
 log = logging.getLogger("omlx.cache")
@@ -277,13 +277,11 @@ class SsdTier:
         return index
 
     def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None
-              ) -> tuple[bytes, Block] | None:
+              ) -> tuple[memoryview, Block] | None:
         """Returns the file's bytes and its verified block, or None after dropping it."""
         started = time.perf_counter()
         try:
-            # One sequential read: FileIO.readall sizes its buffer from fstat.
-            with open(self.root / entry.path, "rb", buffering=0) as f:
-                data = f.read()
+            data = read_file(self.root / entry.path)
         except FileNotFoundError:
             self._drop(entry, MISSING, "file deleted behind the index")
             return None
@@ -295,7 +293,7 @@ class SsdTier:
             self._counters.read_bytes += len(data)
             self._counters.read_s += elapsed
         try:
-            return data, decode(memoryview(data), key=entry.key, group=entry.group,
+            return data, decode(data, key=entry.key, group=entry.group,
                                 tokens=tokens)
         except BlockError as e:
             self._drop(entry, e.reason, str(e))

@@ -1,11 +1,14 @@
+import errno
+import os
 import struct
 from array import array
 
 import orjson
 import pytest
 
+from appliance.cache import block as block_module
 from appliance.cache.block import (MAGIC, PAYLOAD_ALIGN, PRELUDE, Block, BlockError, decode,
-                                   encode_head, is_valid_group, relative_path)
+                                   encode_head, is_valid_group, read_file, relative_path)
 
 KEY = bytes(range(32))
 GROUP = "a1b2c3d4e5f6a7b8/default"
@@ -128,3 +131,34 @@ def test_group_must_be_a_safe_relative_path():
 
 def test_relative_path_shards_by_first_key_byte():
     assert relative_path("g/t", KEY) == f"g/t/00/{KEY.hex()}.kv"
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 2**20 + 5])
+def test_read_file_returns_every_byte_whatever_the_size(tmp_path, size):
+    data = os.urandom(size)
+    path = tmp_path / "b.kv"
+    path.write_bytes(data)
+    assert bytes(read_file(path)) == data
+
+
+def test_read_file_falls_back_to_an_ordinary_read_where_direct_io_is_refused(tmp_path, monkeypatch):
+    data = os.urandom(10_000)
+    path = tmp_path / "b.kv"
+    path.write_bytes(data)
+    real_open = os.open
+    refused = []
+
+    def open_refusing_direct(p, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            refused.append(p)
+            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs and some mounts answer
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(block_module.os, "open", open_refusing_direct)
+    assert bytes(read_file(path)) == data
+    assert refused == ([path] if hasattr(os, "O_DIRECT") else [])
+
+
+def test_read_file_of_a_missing_file_raises(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_file(tmp_path / "gone.kv")
