@@ -23,6 +23,7 @@ from appliance.engine.request import Finished, GenerationRequest, RequestStats
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
+from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
 
 log = logging.getLogger("omlx.engine")
@@ -225,7 +226,7 @@ class Engine:
 
     def _new_batch(self) -> Scheduler:
         return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
-                         step_s=self.limits.prefill_step_s)
+                         step_s=self.limits.prefill_step_s, lookahead=device_kind() == "gpu")
 
     def _admit(self) -> None:
         """Moves waiting requests into the batch, oldest first, once their prefetch is done."""

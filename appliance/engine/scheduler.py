@@ -5,9 +5,9 @@ A step has two halves, and the tokens reach clients between them:
 - `step()` starts the shortest waiting prompts, in one batched model call, while their
   padded size fits the step's budget (`chunk_tokens`; four times that while nothing is
   decoding, since then no stream can stall), then runs one decode step for every
-  generating request. Decoding is pipelined (mlx-lm's GenerationBatch returns the token
-  its previous call computed), so a request started here gets its first token from this
-  same step.
+  generating request, so a request started here gets its first token from this same
+  step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
+  previous call computed while the next is computed); on CPUs it is not (`EagerGeneration`).
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
   prompt's measured speed (which falls as its context grows) to take about `step_s`,
@@ -54,6 +54,33 @@ class _Prefill:
         return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
+class EagerGeneration(GenerationBatch):
+    """mlx-lm's GenerationBatch without its one-step look-ahead: each `next()` feeds every
+    row its pending token and returns the tokens sampled from that forward pass.
+
+    mlx-lm samples token t+1 before handing out token t, so that host work overlaps the
+    device's. On MLX's CPU backend `async_eval` returns only once most of the pass has
+    run (measured here: 58 of a 66 ms step), so the look-ahead hides little and delays
+    every token, the first one included, by a whole forward pass.
+
+    Rows hold the token to feed next in `_next_tokens`: the last prompt token for a new
+    row (no priming pass at construction), else the token handed out last.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._priming = True
+        super().__init__(*args, **kwargs)
+        self._priming = False
+        self._next_logprobs = [mx.array(0.0)] * len(self.uids)  # placeholders, one per row
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        if self._priming:
+            return [], []
+        super()._step()  # feeds _next_tokens (recording them in self.tokens), samples the next
+        mx.eval(self._next_tokens, self._next_logprobs)
+        return self._next_tokens.tolist(), self._next_logprobs
+
+
 @dataclass(frozen=True)
 class Generated:
     """One decoded token of one request (mirrors mlx-lm's GenerationBatch.Response)."""
@@ -67,12 +94,14 @@ class Generated:
 
 
 class Scheduler:
-    def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None):
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None,
+                 lookahead: bool = False):
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.step_s = step_s  # None: chunks are sized by tokens only
         self._prefills: list[_Prefill] = []
-        self._generation = GenerationBatch.empty(model, greedy_sampler)
+        self._generation_class = GenerationBatch if lookahead else EagerGeneration
+        self._generation = self._generation_class.empty(model, greedy_sampler)
         self._next_uid = 0
         self._budget_left = 0
         self._start_s_per_token: float | None = None  # measured when prompts were last started
@@ -132,7 +161,10 @@ class Scheduler:
             started = time.perf_counter()
             batch.prompt(todo)
             self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
-        self._generation.extend(batch.generate([p.remaining[-1:] for p in group]))
+        self._generation.extend(self._generation_class(
+            self.model, batch.uids, mx.array([p.remaining[-1] for p in group]), batch.prompt_cache,
+            batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
+            batch.stop_sequences, batch.max_tokens))
         return [p.uid for p in group]
 
     def advance(self) -> None:

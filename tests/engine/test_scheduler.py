@@ -74,3 +74,50 @@ def test_a_short_prompt_starts_ahead_of_a_long_one_being_chunked(loaded_model):
     started, generated = s.step()
     assert started == [short_uid] and [g.uid for g in generated] == [short_uid]
     assert long_uid not in started
+
+
+class CountingModel:
+    """The real model, counting its forward passes."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_without_look_ahead_a_started_prompt_gets_its_first_token_from_one_forward_pass(loaded_model):
+    model = CountingModel(loaded_model.model)
+    s = Scheduler(model, chunk_tokens=512, step_s=None, lookahead=False)
+    uid = insert(s, tokens(40))
+    started, generated = s.step()
+    assert started == [uid] and [g.uid for g in generated] == [uid]
+    assert model.calls == 2  # the prompt but its last token, then that token: nothing sampled ahead
+
+
+def test_eager_and_look_ahead_decoding_give_the_same_tokens(loaded_model):
+    def run(lookahead: bool) -> dict[int, list[int]]:
+        s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None, lookahead=lookahead)
+        out: dict[int, list[int]] = {}
+        for seed, n in enumerate((30, 55, 80)):
+            out[s.insert(tokens(n, seed), max_tokens=6 + seed, cache=None, cached_tokens=[],
+                         sampler=greedy_sampler, processors=[], stop=StopSequences())] = []
+        finished: dict[int, list[int]] = {}
+        while len(s):
+            _, generated = s.step()
+            for g in generated:
+                out[g.uid].append(g.token)
+                if g.finish_reason is not None:
+                    assert len(g.tokens) == len(tokens(30 + 25 * g.uid)) + len(out[g.uid]) - (not lookahead)
+                    finished[g.uid] = out[g.uid]
+            s.advance()
+        assert finished == out
+        return out
+
+    eager, ahead = run(False), run(True)
+    assert eager == ahead
+    assert [len(t) for t in eager.values()] == [6, 7, 8]
