@@ -5,7 +5,13 @@ are pages the process never touched, and on a VM each first touch can cost more 
 copy itself. This prints both for `--mib` MiB (default 11, one KV block of the test model),
 as milliseconds, median of `--repeats`.
 
-    .venv/bin/python bench/first_touch.py [--mib 11] [--repeats 7]
+With `--settle S` it first frees memory (drops the page cache, which needs root) and waits
+S seconds, then times one first touch before the repeats: a VM whose balloon reports
+free pages to the host (virtio-balloon free page reporting) hands those back only through
+a host fault, so memory that has sat free costs several times more than memory freed a
+moment ago, which the repeats mostly get.
+
+    .venv/bin/python bench/first_touch.py [--mib 11] [--repeats 7] [--settle 10]
 """
 
 from __future__ import annotations
@@ -13,9 +19,15 @@ from __future__ import annotations
 import argparse
 import mmap
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import drop_page_cache  # noqa: E402
 
 
 def fresh_touch_ms(nbytes: int) -> float:
@@ -38,12 +50,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=11)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--settle", type=float, default=None,
+                        help="free memory (drop the page cache) and wait this many seconds first")
     args = parser.parse_args()
     n = args.mib << 20
+    per_page = n // mmap.PAGESIZE
+    if args.settle is not None:
+        method = drop_page_cache([])
+        time.sleep(args.settle)
+        settled = fresh_touch_ms(n)
+        print(f"{args.mib} MiB after freeing memory ({method}) and {args.settle:g} s: first touch "
+              f"{settled:.1f} ms ({settled * 1000 / per_page:.1f} µs a page)")
     src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
     touch = statistics.median(fresh_touch_ms(n) for _ in range(args.repeats))
     copy = statistics.median(warm_copy_ms(src, dst) for _ in range(args.repeats))
-    print(f"{args.mib} MiB: first touch {touch:.1f} ms ({touch * 1000 / (n // mmap.PAGESIZE):.1f} µs a page), "
+    print(f"{args.mib} MiB: first touch {touch:.1f} ms ({touch * 1000 / per_page:.1f} µs a page), "
           f"copy into mapped memory {copy:.1f} ms")
     return 0
 

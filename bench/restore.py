@@ -273,9 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="256 and 1K tokens instead of 512, 2K and 8K")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="where the cache dirs go (default: the temp dir)")
+    parser.add_argument("--sizes", default=None, help="comma-separated prefix labels to run (e.g. 2K)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    out = args.out or OUT_DIR / ("restore-quick.json" if args.quick else "restore.json")
+    if args.sizes:
+        wanted = args.sizes.split(",")
+        unknown = [w for w in wanted if w not in sizes]
+        if unknown:
+            parser.error(f"unknown sizes {unknown}: choose from {list(sizes)}")
+        sizes = {label: n for label, n in sizes.items() if label in wanted}
+    name = "restore-quick" if args.quick else "restore"
+    out = args.out or OUT_DIR / (f"{name}-{'-'.join(sizes)}.json" if args.sizes else f"{name}.json")
     model_dir = converted_model_dir()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     started = time.time()
