@@ -8,11 +8,12 @@ In one run, on the filesystem of `--dir` (default: the temp dir):
    through SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 45 KiB/token,
    11.8 MB a block) is stored under as many chained keys as fill the same number of bytes
    (`SsdTier.put`, fsync per block, as the writer does); then, after dropping the page cache
-   each time, every block is read back with `SsdTier.get` (one sequential read of the file,
-   then the header check and a crc32 over tokens and payload): on 1 thread, on 2 threads
+   each time, every block is read back with `SsdTier.get` (one read of the whole file, with
+   O_DIRECT on Linux, then the header check and a crc32 over tokens and payload): on 1 thread, on 2 threads
    (reads and crc32 release the GIL), and on 1 thread followed by `kv.from_payload` (the MLX
-   arrays a restore builds). Finally the same 1-thread read from the page cache (no disk:
-   the verify-bound ceiling).
+   arrays a restore builds). Finally the same 1-thread read right after a read (no drop: with
+   O_DIRECT this is the disk again, or the host's cache on a VM; with buffered reads, the
+   page cache).
 
 The page cache is dropped with `/proc/sys/vm/drop_caches` when permitted, else with
 POSIX_FADV_DONTNEED per file; residency is checked with fincore before each cold read.
@@ -231,7 +232,7 @@ VARIANTS = (  # name, threads, build MLX arrays, cold
     ("SsdTier.get cold, 1 thread", 1, False, True),
     ("SsdTier.get cold, 2 threads", 2, False, True),
     ("SsdTier.get + kv.from_payload (MLX arrays) cold, 1 thread", 1, True, True),
-    ("SsdTier.get from page cache (verify-bound ceiling), 1 thread", 1, False, False),
+    ("SsdTier.get again, no drop (O_DIRECT: disk again; buffered: page cache), 1 thread", 1, False, False),
 )
 
 
@@ -244,7 +245,7 @@ def measure_tier_once(tier, stored: list[Stored], group: str, files: list[Path],
         if cold:
             method = drop_page_cache(files)
         else:
-            read_all(tier, stored, group, threads=1, to_mlx=False)  # fills the page cache
+            read_all(tier, stored, group, threads=1, to_mlx=False)  # fills the page cache, if used
         m.resident_before.append(resident_bytes(files))
         before = tier.stats()
         meter = Meter()
