@@ -18,11 +18,11 @@ _REEXEC_MARK = "OMLX_PROCESS_ENV"
 # glibc's malloc, tuned for a process that allocates and frees large MLX buffers all the
 # time (KV caches that grow, restored prefixes, logits):
 # - buffers up to 32 MiB (the most glibc allows) come from the heap, not from fresh mmaps;
-# - up to 1 GiB freed at the heap's top stays mapped for reuse instead of going back;
+# - up to 2 GiB freed at the heap's top stays mapped for reuse instead of going back;
 # - one arena, so memory one thread frees (a file reader) serves another (MLX's stream).
-# Fresh pages are costly: a first touch costs ~3 µs a page on a bare Linux host and
-# ~13 µs in a VM whose balloon reclaims free memory (measured: bench/first_touch.py);
-# a 2K-token prefix is 22,000 pages per copy.
+# Fresh pages can be costly: ~12 µs each in a VM whose balloon has reclaimed the free
+# memory (measured: bench/first_touch.py --settle 10), and a 2K-token prefix of a 135M
+# model is 22,000 pages per copy.
 MALLOC_TUNABLES = {
     "glibc.malloc.mmap_threshold": str(32 << 20),
     "glibc.malloc.trim_threshold": str(2 << 30),
