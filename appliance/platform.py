@@ -20,7 +20,7 @@ _REEXEC_MARK = "OMLX_PROCESS_ENV"
 # - buffers up to 32 MiB (the most glibc allows) come from the heap, not from fresh mmaps;
 # - up to 2 GiB freed at the heap's top stays mapped for reuse instead of going back;
 # - one arena, so memory one thread frees (a file reader) serves another (MLX's stream).
-# Fresh pages can be costly: ~12 µs each in a VM whose balloon has reclaimed the free
+# Fresh pages can be costly: 12-13 µs each in a VM whose balloon has reclaimed the free
 # memory (measured: bench/first_touch.py --settle 10), and a 2K-token prefix of a 135M
 # model is 22,000 pages per copy.
 MALLOC_TUNABLES = {

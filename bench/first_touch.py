@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import os
 import statistics
 import sys
 import time
@@ -42,17 +41,6 @@ def fresh_touch_ms(nbytes: int) -> float:
     return elapsed * 1000
 
 
-def free_memory() -> str:
-    """Drops the page cache, dentries and inodes (root only); returns what was done."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches=3"
-    except OSError:
-        return drop_page_cache([])  # nothing to drop without root: the figure is then plain
-
-
 def warm_copy_ms(src: np.ndarray, dst: np.ndarray) -> float:
     started = time.perf_counter()
     np.copyto(dst, src)
@@ -69,7 +57,7 @@ def main() -> int:
     n = args.mib << 20
     per_page = n // mmap.PAGESIZE
     if args.settle is not None:
-        method = free_memory()
+        method = drop_page_cache([])
         time.sleep(args.settle)
         settled = fresh_touch_ms(n)
         print(f"{args.mib} MiB after freeing memory ({method}) and {args.settle:g} s: first touch "

@@ -225,17 +225,13 @@ def read_file(path: Path) -> memoryview:
     if direct:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | direct)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-        else:
             try:
                 return _read_direct(fd)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
             finally:
                 os.close(fd)
+        except OSError as e:  # EINVAL: refused at open or at the first read
+            if e.errno != errno.EINVAL:
+                raise
     with open(path, "rb", buffering=0) as f:
         return memoryview(f.read())  # FileIO.readall sizes its buffer from fstat
 
