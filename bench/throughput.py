@@ -1,7 +1,9 @@
 """Throughput and TTFT under concurrency: omlx against mlx_lm.server, side by side, one run.
 
 Scenario A: N concurrent streaming clients (N in 1, 4, 16, 64) sending chat requests in
-sequence; aggregate output tok/s and client-side TTFT p50/p99 per N.
+sequence; aggregate output tok/s and client-side TTFT p50/p99 per N. Each server runs each N
+twice with new prompts, in the order ABBA, and the two rounds are pooled: one round of a
+few waves is too short to rise above this machine's ±10% drift.
 Scenario B: short streaming requests alone, and again while one ~4,000-token prompt is
 being prefilled; short-request TTFT p50/p99 and how much p99 grows.
 
@@ -71,7 +73,8 @@ class Plan:
     """How much one run measures."""
 
     concurrency: tuple[int, ...]
-    min_requests: int  # per N: max(N, min_requests) requests in all, shared by the N clients
+    min_requests: int  # per N and repeat: max(N, min_requests) requests in all, shared by the N clients
+    repeats: int  # rounds per server at each N, in the order ABBA..., each with new prompts
     max_tokens: int
     short_clients: int
     short_requests_per_client: int
@@ -83,9 +86,9 @@ class Plan:
         return max(n, self.min_requests)
 
 
-FULL = Plan(concurrency=(1, 4, 16, 64), min_requests=8, max_tokens=64, short_clients=8,
+FULL = Plan(concurrency=(1, 4, 16, 64), min_requests=16, repeats=2, max_tokens=64, short_clients=8,
             short_requests_per_client=2, short_max_tokens=16, long_prompt_tokens=4000, long_delay_s=1.0)
-QUICK = Plan(concurrency=(1, 4), min_requests=2, max_tokens=32, short_clients=4,
+QUICK = Plan(concurrency=(1, 4), min_requests=2, repeats=1, max_tokens=32, short_clients=4,
              short_requests_per_client=2, short_max_tokens=8, long_prompt_tokens=1500, long_delay_s=1.0)
 
 
@@ -198,6 +201,7 @@ class Round:
 
     server: str
     concurrency: int
+    repeat: int
     num_requests: int
     num_errors: int
     num_retries: int  # connections dropped unanswered and retried
@@ -208,12 +212,13 @@ class Round:
     tok_s: float
     ttft_p50_s: float | None
     ttft_p99_s: float | None
+    ttfts_s: tuple[float, ...]  # every request's, as ttft_bounds gives them: repeats pool these
     foreign_cpu_share: float  # CPU used by other processes on the machine meanwhile (0..1)
     errors: tuple[str, ...]
 
 
 async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict]], *,
-                            max_tokens: int, groups: set[int]) -> Round:
+                            max_tokens: int, groups: set[int], repeat: int = 0) -> Round:
     """Returns the round of `n` clients sharing `chats`, each sending its share in sequence."""
     meter = ForeignLoad(groups).start()
     timings, wall_s = await clients_in_parallel(server, chats, n, max_tokens=max_tokens)
@@ -222,29 +227,32 @@ async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict
     prompts = [t.prompt_tokens for t in ok if t.prompt_tokens is not None]
     tokens = sum(t.completion_tokens for t in ok)
     return Round(
-        server=server.name, concurrency=n, num_requests=len(timings), num_errors=len(timings) - len(ok),
+        server=server.name, concurrency=n, repeat=repeat, num_requests=len(timings), num_errors=len(timings) - len(ok),
         num_retries=sum(t.num_retries for t in timings), completion_tokens=tokens,
         min_completion_tokens=min((t.completion_tokens for t in ok), default=0),
         mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
         wall_s=wall_s, tok_s=tokens / wall_s, ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        foreign_cpu_share=meter.share(), errors=failures(timings),
+        ttfts_s=tuple(round(t, 4) for t in ttfts), foreign_cpu_share=meter.share(), errors=failures(timings),
     )
 
 
 async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Round], save: Callable[[], None]) -> None:
     groups = {s.group for s in servers}
     for i, n in enumerate(plan.concurrency):
-        chats = prompt_set(f"A{n}", plan.num_requests(n), max_notes=6)
-        # Alternate who goes first, so drift in the machine's load does not favour one server.
-        for server in servers if i % 2 == 0 else servers[::-1]:
-            await quiet(groups)
-            log(f"A: {server.name} N={n} ({len(chats)} requests)")
-            r = await concurrency_round(server, n, chats, max_tokens=plan.max_tokens, groups=groups)
-            log(f"   {r.tok_s:.1f} tok/s, TTFT p50 {fmt(r.ttft_p50_s)} s p99 {fmt(r.ttft_p99_s)} s, "
-                f"{r.num_errors} errors, {r.num_retries} retries, wall {r.wall_s:.1f} s, "
-                f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}")
-            rounds.append(r)
-            save()
+        for repeat in range(plan.repeats):
+            # New prompts each repeat (a repeated prompt would be a cache hit), the same for both servers.
+            chats = prompt_set(f"A{n}" + (f"-{repeat}" if repeat else ""), plan.num_requests(n), max_notes=6)
+            # Alternate who goes first (ABBA...), so drift in the machine's load does not favour one server.
+            for server in servers if (i + repeat) % 2 == 0 else servers[::-1]:
+                await quiet(groups)
+                log(f"A: {server.name} N={n} repeat {repeat + 1}/{plan.repeats} ({len(chats)} requests)")
+                r = await concurrency_round(server, n, chats, max_tokens=plan.max_tokens, groups=groups,
+                                            repeat=repeat)
+                log(f"   {r.tok_s:.1f} tok/s, TTFT p50 {fmt(r.ttft_p50_s)} s p99 {fmt(r.ttft_p99_s)} s, "
+                    f"{r.num_errors} errors, {r.num_retries} retries, wall {r.wall_s:.1f} s, "
+                    f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}")
+                rounds.append(r)
+                save()
 
 
 # --- scenario B ----------------------------------------------------------------------------
@@ -368,19 +376,48 @@ def bound(value: float | None, censored: bool) -> str:
     return (">=" if censored and value is not None else "") + fmt(value)
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """One server's repeats at one concurrency, taken together."""
+
+    num_requests: int
+    num_errors: int
+    num_retries: int
+    tok_s: float  # all completion tokens over all wall time
+    repeat_tok_s: tuple[float, ...]
+    ttft_p50_s: float | None  # over every request of every repeat
+    ttft_p99_s: float | None
+    foreign_cpu_share: float  # the highest of the repeats'
+
+
+def pooled(rounds: list[Round]) -> Pooled:
+    rounds = sorted(rounds, key=lambda r: r.repeat)
+    ttfts = [t for r in rounds for t in r.ttfts_s]
+    return Pooled(
+        num_requests=sum(r.num_requests for r in rounds), num_errors=sum(r.num_errors for r in rounds),
+        num_retries=sum(r.num_retries for r in rounds),
+        tok_s=sum(r.completion_tokens for r in rounds) / sum(r.wall_s for r in rounds),
+        repeat_tok_s=tuple(r.tok_s for r in rounds),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        foreign_cpu_share=max(r.foreign_cpu_share for r in rounds),
+    )
+
+
 def table_a(rounds: list[Round]) -> str:
-    by = {(r.server, r.concurrency): r for r in rounds}
-    rows = ["| N | requests | omlx tok/s | mlx_lm tok/s | tok/s ratio | omlx TTFT p50 (s) | mlx_lm TTFT p50 (s) "
-            "| p50 ratio | omlx TTFT p99 (s) | mlx_lm TTFT p99 (s) | p99 ratio | errors (omlx / mlx_lm) "
-            "| retried connects (omlx / mlx_lm) | others' CPU (omlx / mlx_lm) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| N | requests | omlx tok/s | mlx_lm tok/s | tok/s ratio | ratio per repeat | omlx TTFT p50 (s) "
+            "| mlx_lm TTFT p50 (s) | p50 ratio | omlx TTFT p99 (s) | mlx_lm TTFT p99 (s) | p99 ratio "
+            "| errors (omlx / mlx_lm) | retried connects (omlx / mlx_lm) | others' CPU (omlx / mlx_lm) |",
+            "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({r.concurrency for r in rounds}):
-        o, m = by.get(("omlx", n)), by.get(("mlx_lm", n))
-        if o is None or m is None:
+        of = [r for r in rounds if r.concurrency == n and r.server == "omlx"]
+        mf = [r for r in rounds if r.concurrency == n and r.server == "mlx_lm"]
+        if not of or not mf:
             continue
+        o, m = pooled(of), pooled(mf)
+        per_repeat = " / ".join(fmt(ratio(a, b)) for a, b in zip(o.repeat_tok_s, m.repeat_tok_s))
         oc, mc = o.num_errors > 0, m.num_errors > 0
         rows.append(
-            f"| {n} | {o.num_requests} | {o.tok_s:.1f} | {m.tok_s:.1f} | {fmt(ratio(o.tok_s, m.tok_s))} "
+            f"| {n} | {o.num_requests} | {o.tok_s:.1f} | {m.tok_s:.1f} | {fmt(ratio(o.tok_s, m.tok_s))} | {per_repeat} "
             f"| {bound(o.ttft_p50_s, oc)} | {bound(m.ttft_p50_s, mc)} | {fmt(ratio(o.ttft_p50_s, m.ttft_p50_s))} "
             f"| {bound(o.ttft_p99_s, oc)} | {bound(m.ttft_p99_s, mc)} | {fmt(ratio(o.ttft_p99_s, m.ttft_p99_s))} "
             f"| {o.num_errors} / {m.num_errors} | {o.num_retries} / {m.num_retries} "
@@ -414,7 +451,9 @@ def report(record: dict, plan: Plan) -> str:
     parts = []
     if record["scenario_a"]:
         parts += [f"Scenario A: {plan.max_tokens}-token completions, N concurrent streaming clients "
-                  f"(max(N, {plan.min_requests}) requests per N)\n", table_a(record["scenario_a"]), ""]
+                  f"(max(N, {plan.min_requests}) requests per N and repeat, {plan.repeats} repeat(s) a server, "
+                  "each with new prompts, alternating which server goes first; tok/s: all tokens over all wall "
+                  "time; TTFT percentiles over all requests)\n", table_a(record["scenario_a"]), ""]
     if record["scenario_b"]:
         parts += [f"Scenario B: {plan.short_clients} clients x {plan.short_requests_per_client} short requests "
                   f"(max_tokens {plan.short_max_tokens}), alone and during a {plan.long_prompt_tokens}-token "
