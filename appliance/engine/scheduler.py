@@ -2,9 +2,11 @@
 
 A step has two halves, and the tokens reach clients between them:
 
-- `step()` starts the shortest waiting prompts, in one batched model call, while their
-  padded size fits the step's budget (`chunk_tokens`; four times that while nothing is
-  decoding, since then no stream can stall), then runs one decode step for every
+- `step()` starts the shortest waiting prompts while their padded size fits the step's
+  budget (`chunk_tokens`; four times that while nothing is decoding, since then no
+  stream can stall). A batched call pads every prompt to the longest one's length, so
+  they are split into the sub-batches that cost least: padding tokens against one more
+  pass over the weights, both measured (`split_by_length`). It then runs one decode step for every
   generating request, so a request started here gets its first token from this same
   step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
   previous call computed while the next is computed); on CPUs it is not (`EagerGeneration`).
@@ -38,6 +40,8 @@ MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
 IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
 ALONE_STEPS = 4  # a prompt prefilled alone gets time slices this many times longer
+DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both are measured
+MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
 
 
 @dataclass
@@ -81,6 +85,25 @@ class EagerGeneration(GenerationBatch):
         return self._next_tokens.tolist(), self._next_logprobs
 
 
+def split_by_length(group: list[_Prefill], pass_tokens: float) -> list[list[_Prefill]]:
+    """Returns `group` (shortest prompt first) cut into consecutive sub-batches, each to be
+    prefilled in one padded call, at the least cost: a sub-batch costs its padded size
+    (count x its longest prompt, in tokens) plus `pass_tokens` for the call itself."""
+    lengths = [p.todo for p in group]
+    best = [0.0]  # best[j]: the cost of the first j prompts
+    cut = [0]  # cut[j]: where the last sub-batch of that best split starts
+    for j in range(1, len(group) + 1):
+        cost, i = min((best[i] + (j - i) * lengths[j - 1] + pass_tokens, i)
+                      for i in range(max(0, j - MAX_SUB_BATCH), j))
+        best.append(cost)
+        cut.append(i)
+    parts, j = [], len(group)
+    while j:
+        parts.append(group[cut[j]:j])
+        j = cut[j]
+    return parts[::-1]
+
+
 @dataclass(frozen=True)
 class Generated:
     """One decoded token of one request (mirrors mlx-lm's GenerationBatch.Response)."""
@@ -105,6 +128,7 @@ class Scheduler:
         self._next_uid = 0
         self._budget_left = 0
         self._start_s_per_token: float | None = None  # measured when prompts were last started
+        self._pass_s: float | None = None  # the fastest decode step yet: what one more model call costs
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)
@@ -151,16 +175,22 @@ class Scheduler:
             return []
         for p in group:
             self._prefills.remove(p)
-        batch = group[0].batch
-        for p in group[1:]:
-            batch.extend(p.batch)
-        todo = [p.remaining[:-1] for p in group]
-        padded = len(group) * max(map(len, todo))
-        self._budget_left -= padded
-        if padded:
-            started = time.perf_counter()
-            batch.prompt(todo)
-            self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
+        batch = None
+        for sub in split_by_length(group, self._pass_tokens()):
+            part = sub[0].batch
+            for p in sub[1:]:
+                part.extend(p.batch)
+            todo = [p.remaining[:-1] for p in sub]
+            padded = len(sub) * max(map(len, todo))
+            self._budget_left -= padded
+            if padded:
+                started = time.perf_counter()
+                part.prompt(todo)
+                self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
+            if batch is None:
+                batch = part
+            else:
+                batch.extend(part)
         self._generation.extend(self._generation_class(
             self.model, batch.uids, mx.array([p.remaining[-1] for p in group]), batch.prompt_cache,
             batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
@@ -200,11 +230,21 @@ class Scheduler:
         step_s = self.step_s * (ALONE_STEPS if alone else 1)
         return max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, int(step_s / s_per_token)))
 
+    def _pass_tokens(self) -> float:
+        """Returns what one more model call costs, in prompt tokens' worth of prefill time."""
+        if not self._pass_s or not self._start_s_per_token:
+            return DEFAULT_PASS_TOKENS
+        return self._pass_s / self._start_s_per_token
+
     def _decode(self) -> list[Generated]:
         if not len(self._generation):
             return []
+        started = time.perf_counter()
+        responses = self._generation.next()
+        elapsed = time.perf_counter() - started
+        self._pass_s = min(self._pass_s or elapsed, elapsed)
         return [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
-                for r in self._generation.next()]
+                for r in responses]
 
     def extract(self, uid: int) -> tuple[list | None, list[int] | None]:
         """Returns a copy of the request's KV and the tokens it holds."""

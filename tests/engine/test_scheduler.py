@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
-from appliance.engine.scheduler import ALONE_STEPS, MIN_CHUNK_TOKENS, Scheduler
+from appliance.engine.scheduler import ALONE_STEPS, MIN_CHUNK_TOKENS, Scheduler, split_by_length
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +29,51 @@ def test_short_prompts_start_together_and_give_a_token_in_the_same_step(loaded_m
     started, generated = s.step()
     assert sorted(started) == uids
     assert sorted(g.uid for g in generated) == uids  # the first tokens, not one step later
+
+
+class Waiting:
+    """A waiting prompt as split_by_length sees it: how many tokens it has left to prefill."""
+
+    def __init__(self, todo: int):
+        self.todo = todo
+
+
+def split(lengths: list[int], pass_tokens: float) -> list[list[int]]:
+    return [[p.todo for p in part] for part in split_by_length([Waiting(n) for n in lengths], pass_tokens)]
+
+
+def test_prompts_split_where_padding_costs_more_than_another_call():
+    assert split([10, 11, 12, 200], pass_tokens=32) == [[10, 11, 12], [200]]
+    assert split([50, 50, 50], pass_tokens=1) == [[50, 50, 50]]  # no padding: one call
+    assert split([10, 20, 30], pass_tokens=1e9) == [[10, 20, 30]]  # calls dearer than any padding
+    assert split([10, 20, 30], pass_tokens=0) == [[10], [20], [30]]
+    assert split([], pass_tokens=32) == []
+
+
+def test_a_split_start_gives_every_prompt_its_first_token_in_the_same_step(loaded_model):
+    model = CountingModel(loaded_model.model)
+    s = Scheduler(model, chunk_tokens=512, step_s=None)
+    uids = [insert(s, tokens(n, seed)) for seed, n in enumerate((20, 25, 400))]
+    started, generated = s.step()
+    assert sorted(started) == uids and sorted(g.uid for g in generated) == uids
+    assert model.calls == 3  # [20, 25] padded to 25, then 400 alone (not 3 x 400), then one decode
+
+
+def test_split_and_padded_starts_give_the_same_greedy_tokens(loaded_model):
+    def run(one_call: bool) -> list[list[int]]:
+        s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+        if one_call:  # another call priced above any padding
+            s._pass_s, s._start_s_per_token = 1e9, 1.0
+        uids = [s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=greedy_sampler,
+                         processors=[], stop=StopSequences()) for seed, n in enumerate((15, 40, 300))]
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while len(s):
+            _, generated = s.step()
+            for g in generated:
+                out[g.uid].append(g.token)
+        return [out[uid] for uid in uids]
+
+    assert run(one_call=False) == run(one_call=True)
 
 
 def test_a_long_prompt_advances_in_chunks_sized_by_its_measured_speed(loaded_model):
