@@ -34,7 +34,8 @@ from mlx_lm.generate import (
     generation_stream,
 )
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
+
+from appliance.engine.sampling import GREEDY, Greedy
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
@@ -58,7 +59,50 @@ class _Prefill:
         return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
-class EagerGeneration(GenerationBatch):
+class LeanGeneration(GenerationBatch):
+    """mlx-lm's GenerationBatch, whose step normalizes the logits only when a row needs
+    log-probabilities: a batch of greedy rows that report none is sampled with one
+    argmax over the logits (see `Greedy`), and each row's `logprobs` is then its raw
+    logits, which nothing reads. Otherwise the step is mlx-lm's own."""
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        token_context = []
+        if any(self.logits_processors):
+            rows = []
+            for e in range(len(self.uids)):
+                row = logits[e:e + 1]
+                if self.logits_processors[e]:  # only rows with processors need a context
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
+                    token_context.append(context)
+                    for processor in self.logits_processors[e]:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
+        greedy = all(isinstance(s, Greedy) for s in samplers)
+        if greedy and not any(s.logprobs for s in samplers):
+            logprobs = logits
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if greedy or all(s is samplers[0] for s in samplers):
+            sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+        self._next_tokens = sampled
+        self._next_logprobs = list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+        mx.eval(inputs, self._current_logprobs)
+        tokens = inputs.tolist()
+        for row, token in zip(self.tokens, tokens):
+            row.append(token)
+        return tokens, self._current_logprobs
+
+
+class EagerGeneration(LeanGeneration):
     """mlx-lm's GenerationBatch without its one-step look-ahead: each `next()` feeds every
     row its pending token and returns the tokens sampled from that forward pass.
 
@@ -123,8 +167,8 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.step_s = step_s  # None: chunks are sized by tokens only
         self._prefills: list[_Prefill] = []
-        self._generation_class = GenerationBatch if lookahead else EagerGeneration
-        self._generation = self._generation_class.empty(model, greedy_sampler)
+        self._generation_class = LeanGeneration if lookahead else EagerGeneration
+        self._generation = self._generation_class.empty(model, GREEDY)
         self._next_uid = 0
         self._budget_left = 0
         self._start_s_per_token: float | None = None  # measured when prompts were last started

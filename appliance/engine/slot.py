@@ -40,7 +40,7 @@ class Slot:
             "cache": restored.cache if n else None,
             "cached_tokens": list(r.prompt_tokens[:n]),
             "max_tokens": r.max_tokens,
-            "sampler": make_sampler(r.sampling),
+            "sampler": make_sampler(r.sampling, logprobs=r.top_logprobs is not None),
             "processors": make_processors(r.sampling),
             "stop": StopSequences([[t] for t in sorted(self._stop_ids)]),
         }

@@ -6,8 +6,10 @@ import random
 
 import pytest
 from mlx_lm.generate import StopSequences
+import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from appliance.engine.sampling import GREEDY, GREEDY_WITH_LOGPROBS
 from appliance.engine.scheduler import ALONE_STEPS, MIN_CHUNK_TOKENS, Scheduler, split_by_length
 
 pytestmark = pytest.mark.slow
@@ -19,7 +21,7 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def insert(s: Scheduler, prompt: list[int]) -> int:
-    return s.insert(prompt, max_tokens=4, cache=None, cached_tokens=[], sampler=greedy_sampler,
+    return s.insert(prompt, max_tokens=4, cache=None, cached_tokens=[], sampler=GREEDY,
                     processors=[], stop=StopSequences())
 
 
@@ -64,7 +66,7 @@ def test_split_and_padded_starts_give_the_same_greedy_tokens(loaded_model):
         s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
         if one_call:  # another call priced above any padding
             s._pass_s, s._start_s_per_token = 1e9, 1.0
-        uids = [s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=greedy_sampler,
+        uids = [s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=GREEDY,
                          processors=[], stop=StopSequences()) for seed, n in enumerate((15, 40, 300))]
         out: dict[int, list[int]] = {uid: [] for uid in uids}
         while len(s):
@@ -150,7 +152,7 @@ def test_eager_and_look_ahead_decoding_give_the_same_tokens(loaded_model):
         out: dict[int, list[int]] = {}
         for seed, n in enumerate((30, 55, 80)):
             out[s.insert(tokens(n, seed), max_tokens=6 + seed, cache=None, cached_tokens=[],
-                         sampler=greedy_sampler, processors=[], stop=StopSequences())] = []
+                         sampler=GREEDY, processors=[], stop=StopSequences())] = []
         finished: dict[int, list[int]] = {}
         while len(s):
             _, generated = s.step()
@@ -166,3 +168,36 @@ def test_eager_and_look_ahead_decoding_give_the_same_tokens(loaded_model):
     eager, ahead = run(False), run(True)
     assert eager == ahead
     assert [len(t) for t in eager.values()] == [6, 7, 8]
+
+
+def decode(s: Scheduler, samplers: list, lengths: tuple[int, ...] = (30, 55, 80)) -> dict[int, list]:
+    """Runs prompts to 5 tokens each; returns every request's (token, logprobs) in order."""
+    out: dict[int, list] = {}
+    for seed, (n, sampler) in enumerate(zip(lengths, samplers)):
+        out[s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=sampler,
+                     processors=[], stop=StopSequences())] = []
+    while len(s):
+        _, generated = s.step()
+        for g in generated:
+            out[g.uid].append((g.token, g.logprobs))
+        s.advance()
+    return out
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_greedy_rows_without_logprobs_skip_the_normalization_and_pick_the_same_tokens(loaded_model, lookahead):
+    def tokens_of(samplers: list) -> list[list[int]]:
+        s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None, lookahead=lookahead)
+        return [[t for t, _ in row] for row in decode(s, samplers).values()]
+
+    lean = tokens_of([GREEDY] * 3)
+    assert lean == tokens_of([greedy_sampler] * 3)  # mlx-lm's own step: argmax of log-probabilities
+    assert lean == tokens_of([GREEDY, GREEDY_WITH_LOGPROBS, GREEDY])
+
+
+def test_a_row_that_reports_logprobs_gets_normalized_ones_beside_lean_rows(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    rows = list(decode(s, [GREEDY, GREEDY_WITH_LOGPROBS, GREEDY]).values())
+    for token, logprobs in rows[1]:
+        assert abs(mx.logsumexp(logprobs).item()) < 1e-4  # probabilities that sum to 1
+        assert logprobs[token].item() == logprobs.max().item() <= 0
