@@ -148,6 +148,13 @@ def split_by_length(group: list[_Prefill], pass_tokens: float) -> list[list[_Pre
     return parts[::-1]
 
 
+def merged(batches: list[PromptProcessingBatch]) -> PromptProcessingBatch:
+    """Returns the first of `batches` with the others appended to it, in order."""
+    for other in batches[1:]:
+        batches[0].extend(other)
+    return batches[0]
+
+
 @dataclass(frozen=True)
 class Generated:
     """One decoded token of one request (mirrors mlx-lm's GenerationBatch.Response)."""
@@ -219,11 +226,9 @@ class Scheduler:
             return []
         for p in group:
             self._prefills.remove(p)
-        batch = None
+        parts = []
         for sub in split_by_length(group, self._pass_tokens()):
-            part = sub[0].batch
-            for p in sub[1:]:
-                part.extend(p.batch)
+            part = merged([p.batch for p in sub])
             todo = [p.remaining[:-1] for p in sub]
             padded = len(sub) * max(map(len, todo))
             self._budget_left -= padded
@@ -231,10 +236,8 @@ class Scheduler:
                 started = time.perf_counter()
                 part.prompt(todo)
                 self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
-            if batch is None:
-                batch = part
-            else:
-                batch.extend(part)
+            parts.append(part)
+        batch = merged(parts)
         self._generation.extend(self._generation_class(
             self.model, batch.uids, mx.array([p.remaining[-1] for p in group]), batch.prompt_cache,
             batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import StopSequences
-import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from appliance.engine.sampling import GREEDY, GREEDY_WITH_LOGPROBS
@@ -31,6 +31,20 @@ def test_short_prompts_start_together_and_give_a_token_in_the_same_step(loaded_m
     started, generated = s.step()
     assert sorted(started) == uids
     assert sorted(g.uid for g in generated) == uids  # the first tokens, not one step later
+
+
+def decode(s: Scheduler, samplers: list, lengths: tuple[int, ...] = (30, 55, 80)) -> dict[int, list]:
+    """Runs prompts to 5 tokens each; returns every request's (token, logprobs) in order."""
+    out: dict[int, list] = {}
+    for seed, (n, sampler) in enumerate(zip(lengths, samplers)):
+        out[s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=sampler,
+                     processors=[], stop=StopSequences())] = []
+    while len(s):
+        _, generated = s.step()
+        for g in generated:
+            out[g.uid].append((g.token, g.logprobs))
+        s.advance()
+    return out
 
 
 class Waiting:
@@ -66,14 +80,7 @@ def test_split_and_padded_starts_give_the_same_greedy_tokens(loaded_model):
         s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
         if one_call:  # another call priced above any padding
             s._pass_s, s._start_s_per_token = 1e9, 1.0
-        uids = [s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=GREEDY,
-                         processors=[], stop=StopSequences()) for seed, n in enumerate((15, 40, 300))]
-        out: dict[int, list[int]] = {uid: [] for uid in uids}
-        while len(s):
-            _, generated = s.step()
-            for g in generated:
-                out[g.uid].append(g.token)
-        return [out[uid] for uid in uids]
+        return [[t for t, _ in row] for row in decode(s, [GREEDY] * 3, (15, 40, 300)).values()]
 
     assert run(one_call=False) == run(one_call=True)
 
@@ -168,20 +175,6 @@ def test_eager_and_look_ahead_decoding_give_the_same_tokens(loaded_model):
     eager, ahead = run(False), run(True)
     assert eager == ahead
     assert [len(t) for t in eager.values()] == [6, 7, 8]
-
-
-def decode(s: Scheduler, samplers: list, lengths: tuple[int, ...] = (30, 55, 80)) -> dict[int, list]:
-    """Runs prompts to 5 tokens each; returns every request's (token, logprobs) in order."""
-    out: dict[int, list] = {}
-    for seed, (n, sampler) in enumerate(zip(lengths, samplers)):
-        out[s.insert(tokens(n, seed), max_tokens=5, cache=None, cached_tokens=[], sampler=sampler,
-                     processors=[], stop=StopSequences())] = []
-    while len(s):
-        _, generated = s.step()
-        for g in generated:
-            out[g.uid].append((g.token, g.logprobs))
-        s.advance()
-    return out
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
