@@ -41,8 +41,17 @@ class ModelSpec(Frozen):
     dtype: DType = "auto"
     # None: the model's own limit (max_position_embeddings).
     max_context_tokens: int | None = Field(None, ge=16)
+    # True: max_context_tokens may exceed the trained length (positions the model never
+    # saw in training: quality may drop). Needed to serve agents' long prompts on small models.
+    allow_beyond_trained_context: bool = False
     # Default for requests that name no max_tokens.
     default_max_tokens: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _beyond_needs_a_limit(self) -> ModelSpec:
+        if self.allow_beyond_trained_context and self.max_context_tokens is None:
+            raise ValueError("allow_beyond_trained_context = true needs max_context_tokens (how far beyond)")
+        return self
 
 
 class CacheSpec(Frozen):

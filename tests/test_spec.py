@@ -113,6 +113,16 @@ def test_unknown_keys_are_forbidden(section):
     assert {e["type"] for e in excinfo.value.errors()} == {"extra_forbidden"}
 
 
+def test_running_beyond_the_trained_context_needs_a_limit():
+    with pytest.raises(ValidationError) as excinfo:
+        Spec(models=[{"name": "tiny", "source": "tiny.gguf", "allow_beyond_trained_context": True}])
+    assert ("models", 0) in error_locs(excinfo)
+    assert "needs max_context_tokens" in str(excinfo.value)
+    spec = Spec(models=[{"name": "tiny", "source": "tiny.gguf", "max_context_tokens": 16384,
+                         "allow_beyond_trained_context": True}])
+    assert spec.models[0].allow_beyond_trained_context
+
+
 def test_spec_and_sections_are_frozen():
     spec = Spec(models=ONE_MODEL)
     with pytest.raises(ValidationError):

@@ -64,14 +64,28 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> LoadedMod
     if dtype is not None:
         cast(model, DTYPES[dtype])
     mx.eval(model.parameters())
-    native = int(config.get("max_position_embeddings") or spec.max_context_tokens or 4096)
-    context = min(native, spec.max_context_tokens) if spec.max_context_tokens else native
+    context = context_tokens(spec, config)
     actual = dtype or str(next(iter_float_dtypes(model), "unknown")).removeprefix("mlx.core.")
     loaded = LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
                          context_tokens=context, dtype=actual, load_s=time.perf_counter() - started)
     log.info("model %s loaded from %s (%s, %d-token context) in %.1f s",
              spec.name, path, actual, context, loaded.load_s)
     return loaded
+
+
+def context_tokens(spec: ModelSpec, config: dict) -> int:
+    """Returns the model's context limit: the trained length, or less, or more when the
+    spec explicitly allows running beyond it."""
+    trained = int(config.get("max_position_embeddings") or spec.max_context_tokens or 4096)
+    wanted = spec.max_context_tokens
+    if wanted is None:
+        return trained
+    if wanted > trained and spec.allow_beyond_trained_context:
+        log.warning("model %s runs a %d-token context beyond its trained %d tokens "
+                    "(allow_beyond_trained_context): quality may drop past %d",
+                    spec.name, wanted, trained, trained)
+        return wanted
+    return min(trained, wanted)
 
 
 def cast(model: nn.Module, dtype: mx.Dtype) -> None:
