@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import threading
+import zlib
 from pathlib import Path
 
 MEMO_FILE = "fingerprints.json"
@@ -42,15 +43,25 @@ def _stamp(path: Path) -> str:
 
 
 def _read(path: Path) -> dict[str, str]:
+    """Returns the memo, or nothing when it is missing, damaged or does not match its
+    checksum: a wrong digest would root the model's KV keys elsewhere, and a lost memo
+    only costs a rehash."""
     try:
         data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # a lost or damaged memo only costs a rehash
+        entries = data["entries"]
+        if isinstance(entries, dict) and data["crc32"] == _crc(entries):
+            return entries
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return {}
 
 
 def _write(path: Path, memo: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(memo))
+    tmp.write_text(json.dumps({"crc32": _crc(memo), "entries": memo}))
     os.replace(tmp, path)
+
+
+def _crc(entries: dict[str, str]) -> int:
+    return zlib.crc32(json.dumps(entries, sort_keys=True).encode())

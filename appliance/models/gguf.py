@@ -23,6 +23,8 @@ import numpy as np
 from gguf.gguf_reader import ReaderTensor
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from appliance.models.manifest import write_manifest
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 DTYPES = {"float32": (mx.float32, "F32"), "float16": (mx.float16, "F16"), "bfloat16": (mx.bfloat16, "BF16")}
 PARTIAL_MARK = ".partial-"
@@ -100,6 +102,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str) -> Path:
         _write_tokenizer(reader, tokenizer, partial, shape)
         _write_json(partial / "config.json", _config(reader, shape, dtype))
         _write_weights(reader, shape, partial / "model.safetensors", dtype, gguf_path)
+        write_manifest(partial, source=str(gguf_path), dtype=dtype)  # last: it vouches for the rest
         _swap_into_place(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -15,6 +15,7 @@ from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
 from appliance.models.gguf import ModelSourceError, convert_gguf, fingerprint
+from appliance.models.manifest import verify
 
 __all__ = ["ModelSourceError", "SourceKind", "describe_source", "materialize"]
 
@@ -97,8 +98,12 @@ def _converted(source: str, gguf_path: Path, cache_dir: Path, dtype: str) -> Pat
     """Return the cached MLX conversion of `gguf_path`, converting it first if absent."""
     out_dir = converted_dir(gguf_path, cache_dir, dtype)
     if out_dir.is_dir():
-        return out_dir  # conversions appear by rename only when complete
-    log.info("converting %s to %s (%s); done once, reused later", gguf_path, out_dir, dtype)
+        problem = verify(out_dir)
+        if problem is None:
+            return out_dir
+        log.warning("the conversion at %s does not verify (%s); converting %s again", out_dir, problem, gguf_path)
+    else:
+        log.info("converting %s to %s (%s); done once, reused later", gguf_path, out_dir, dtype)
     try:
         return convert_gguf(gguf_path, out_dir, dtype=dtype)
     except ModelSourceError as exc:

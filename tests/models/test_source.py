@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
 import time
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
+from appliance.models.manifest import verify
 from appliance.models.source import ModelSourceError, converted_dir, describe_source, materialize
 
 from .conftest import REPO_ROOT, TEST_CACHE_DIR, write_tiny_gguf
@@ -113,3 +116,17 @@ def test_offline_mode_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     with pytest.raises(ModelSourceError, match=r"hub unreachable \(HF_HUB_OFFLINE is set\)"):
         materialize(REPO, base_dir=tmp_path, cache_dir=tmp_path, dtype="float32")
+
+
+def test_a_conversion_that_does_not_verify_is_converted_again(
+        gguf_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache_dir = tmp_path / "cache"
+    first = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=cache_dir, dtype="bfloat16")
+    assert verify(first) is None
+    (first / "tokenizer_config.json").write_bytes(b"\xff\xfe\x00 not utf-8")  # what broke a load before
+    with caplog.at_level(logging.WARNING, logger="appliance.models.source"):
+        again = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=cache_dir, dtype="bfloat16")
+    assert again == first
+    assert verify(again) is None
+    assert "tokenizer_config.json: " in caplog.text and "converting" in caplog.text
+    assert json.loads((again / "tokenizer_config.json").read_text())  # readable again
