@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class GenerationRequest:
     # Chat answers drop the first token's leading space (as mlx-lm does); completions
     # continue the prompt's text exactly.
     trim_leading_space: bool = True
+    # A grammar the output must follow (structured output, forced tool calls): anything
+    # with a `processor()` that returns a fresh mlx-lm logits processor for this request.
+    constraint: Any = None
 
 
 @dataclass(frozen=True)
