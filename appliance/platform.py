@@ -30,7 +30,6 @@ MALLOC_TUNABLES = {
 }
 PREFAULT_MAX_BYTES = 1 << 30  # well under the trim threshold, so freeing it keeps it mapped
 PREFAULT_CHUNK_BYTES = 16 << 20  # under the mmap threshold: served from the heap
-PAGE_BYTES = 4096
 
 
 def openblas_path() -> str | None:
@@ -114,12 +113,15 @@ def prefault_heap(nbytes: int) -> int:
     """
     if nbytes <= 0 or not malloc_tuned() or device_kind() != "cpu":
         return 0
+    import ctypes
+
     import numpy as np
 
     chunks = []
     for _ in range(min(nbytes, PREFAULT_MAX_BYTES) // PREFAULT_CHUNK_BYTES):
         chunk = np.empty(PREFAULT_CHUNK_BYTES, dtype=np.uint8)
-        chunk[::PAGE_BYTES] = 0  # one write per page faults it in
+        # ctypes calls release the GIL: models load and warm up meanwhile.
+        ctypes.memset(chunk.ctypes.data, 0, PREFAULT_CHUNK_BYTES)
         chunks.append(chunk)
     touched = len(chunks) * PREFAULT_CHUNK_BYTES
     del chunks

@@ -58,6 +58,7 @@ class ModelEntry:
             "dtype": loaded.dtype if loaded else None,
             "context_tokens": loaded.context_tokens if loaded else None,
             "load_s": round(loaded.load_s, 3) if loaded else None,
+            "warm_up_s": round(self.engine.warm_up_s, 3) if self.engine and self.engine.warm_up_s else None,
             "loaded_at": loaded.loaded_at if loaded else None,
             "limits": self.engine.limits.model_dump() if self.engine else None,
             "live_requests": self.engine.num_live if self.engine else 0,
@@ -92,15 +93,20 @@ class Appliance:
         return self.spec.cache.path(self.config.base_dir)
 
     def _load_all(self) -> None:
+        """Opens the KV store, then loads and warms up every model; the heap pre-touch runs
+        beside them, so readiness never waits for it."""
         self.store = self.open_store(self.spec.cache, self.cache_dir)
+        threading.Thread(target=self._prefault, name="heap-pretouch", daemon=True).start()
+        for entry in self.models.values():
+            self.load_into(entry, self.config)
+        self.loaded.set()
+
+    def _prefault(self) -> None:
         started = time.perf_counter()
         touched = platform.prefault_heap(self.spec.cache.memory_bytes)
         if touched:
             log.info("pre-touched %.0f MiB of heap for KV buffers in %.2f s", touched / 2**20,
                      time.perf_counter() - started)
-        for entry in self.models.values():
-            self.load_into(entry, self.config)
-        self.loaded.set()
 
     def open_store(self, cache: CacheSpec, cache_dir: Path) -> KVStore:
         return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
@@ -117,7 +123,8 @@ class Appliance:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             cache = self.model_cache(loaded, store, spec.cache, cache_dir)
-            entry.engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher).start()
+            engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher)
+            entry.engine = engine.start_warm()  # ready only once a first request's work has run
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
             log.error("model %s failed to load: %s", entry.spec.name, e)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.cache.model_cache import ModelCache
-from appliance.engine.request import Finished, GenerationRequest, RequestStats
+from appliance.engine.request import Finished, GenerationRequest, RequestStats, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
@@ -29,6 +29,12 @@ from appliance.spec import BatchingSpec
 log = logging.getLogger("omlx.engine")
 
 RECENT_REQUESTS = 256
+# The warm-up: what a first chat request needs (template, tokenizer, a prefill, decode
+# steps greedy and sampled, the detokenizer), run before the model counts as ready.
+WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Say hello."})
+WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
+WARM_UP_TOKENS = 3
 
 
 class QueueFull(Exception):
@@ -110,6 +116,18 @@ class Engine:
         self._running: dict[int, Slot] = {}  # engine thread only: uid -> slot
         self._batch: Scheduler | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{loaded.name}", daemon=True)
+        self._warm = threading.Event()
+        self.warm_up_s: float | None = None
+        self.warm_up_error: str | None = None
+
+    def start_warm(self) -> Engine:
+        """Starts the engine and returns once its warm-up has run; raises RuntimeError when
+        the warm-up failed (the model cannot serve)."""
+        self.start()
+        self._warm.wait()
+        if self.warm_up_error is not None:
+            raise RuntimeError(f"warm-up failed: {self.warm_up_error}")
+        return self
 
     # --- asyncio side -------------------------------------------------------------------
 
@@ -180,7 +198,9 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._loop()
+            self._batch = self._new_batch()
+            if self._warm_up():
+                self._loop()
         except BaseException:  # never leave requests hanging on a dead engine
             log.exception("engine of model %s stopped on an error", self.loaded.name)
             with self._cond:
@@ -191,8 +211,40 @@ class Engine:
                     self._finish(slot, "error", error="the engine stopped on an internal error")
             raise
 
+    def _warm_up(self) -> bool:
+        """Returns whether the model ran short chat requests through the batch, one at a
+        time, before the first real one: a first request then pays none of the first-call
+        costs (MLX compiles GPU kernels per shape). Their KV is not saved."""
+        started = time.perf_counter()
+        try:
+            prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
+            for sampling in WARM_UP_SAMPLING:
+                slot = Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), self.loaded)
+                self._run_alone(slot)
+        except Exception as e:
+            log.exception("warm-up failed on model %s", self.loaded.name)
+            self.warm_up_error = str(e)
+            with self._cond:
+                self._accepting = False
+            self._warm.set()
+            return False
+        self.warm_up_s = time.perf_counter() - started
+        log.info("model %s warmed up in %.2f s", self.loaded.name, self.warm_up_s)
+        self._warm.set()
+        return True
+
+    def _run_alone(self, slot: Slot) -> None:
+        """Generates `slot`'s request to its end on an idle batch, delivering nothing."""
+        uid = self._batch.insert(**slot.insert_args())
+        done = False
+        while not done:
+            _, generated = self._batch.step()
+            for r in generated:
+                done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
+            self._batch.advance()
+        self._batch.remove(uid, keep_cache=False)
+
     def _loop(self) -> None:
-        self._batch = self._new_batch()
         while True:
             commands = self._next_commands()
             if commands is None:

@@ -30,9 +30,10 @@ def appliance_of(request: Request) -> Appliance:
 
 
 async def list_models(request: Request) -> Response:
+    """Every configured model with its state (`ready` once it serves; see /health)."""
     app = appliance_of(request)
-    data = [{"id": name, "object": "model", "created": int(app.started_at), "owned_by": "omlx"}
-            for name in app.models]
+    data = [{"id": name, "object": "model", "created": int(app.started_at), "owned_by": "omlx",
+             "state": entry.state} for name, entry in app.models.items()]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -22,6 +22,7 @@ def test_models_lists_the_configured_model(client: openai.OpenAI):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].owned_by == "omlx"
+    assert models.data[0].model_extra["state"] == "ready"
 
 
 def test_chat_answers_with_usage(client: openai.OpenAI):

@@ -1,0 +1,51 @@
+"""Readiness: /health answers 200 only once every model has run a first request's work;
+/v1/models shows each model's state meanwhile."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME, free_port, start_server, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_ready_only_after_load_and_warm_up(tmp_path):
+    port = free_port()
+    server = start_server(write_config(tmp_path / "omlx.toml", port=port), port, tmp_path / "server.log",
+                          wait_ready=False)
+    seen_before_ready: set[str] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert server.process.poll() is None, server.output()
+            try:
+                models = httpx.get(f"{server.url}/v1/models", timeout=5).json()["data"]
+                health = httpx.get(f"{server.url}/health", timeout=5)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if health.status_code == 200:
+                break
+            assert health.json()["status"] == "starting"
+            seen_before_ready.add(models[0]["state"])
+            time.sleep(0.05)
+        assert health.status_code == 200, server.output()
+        # The server listens before the model is ready, and says so in both places.
+        assert seen_before_ready & {"pending", "loading"}
+        assert "ready" not in seen_before_ready
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [(m["id"], m["state"]) for m in models] == [(MODEL_NAME, "ready")]
+        status = httpx.get(f"{server.url}/admin/api/status").json()["models"][0]
+        assert status["warm_up_s"] > 0
+        # Nothing of the warm-up reaches the cache or the request history.
+        assert status["recent_requests"] == []
+        cache = httpx.get(f"{server.url}/admin/api/cache").json()
+        assert cache["models"][MODEL_NAME].get("saved_blocks", 0) == 0
+        assert cache["tiers"]["memory"]["blocks"] == 0
+        assert "warmed up in" in server.output()
+    finally:
+        assert server.stop() == 0
