@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -17,7 +18,15 @@ log = logging.getLogger("omlx")
 
 
 class Server(uvicorn.Server):
-    """uvicorn, plus rebinding to a new address without dropping the old one first."""
+    """uvicorn, plus rebinding to a new address without dropping the old one first, and a
+    clean exit (status 0) after a graceful stop on SIGTERM or SIGINT."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once it has shut down, so the process would die by
+        # it (status -15) after a drain that went well; service managers and scripts read
+        # that as a crash. (uvicorn 0.55's own list of signals to re-raise.)
+        self._captured_signals.clear()
 
     async def rebind(self, host: str, port: int) -> tuple[Callable[[], None], Callable[[], None]]:
         """Listens on host:port beside the current sockets; returns (close new, close old)."""
