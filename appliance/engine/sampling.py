@@ -42,8 +42,13 @@ def make_sampler(params: SamplingParams, *, logprobs: bool = False) -> Sampler:
     """Returns a sampler of log-probabilities for one request (`logprobs`: whether the
     request reports them).
 
-    With a seed, step i draws with key(seed, i): the same tokens whatever else shares
-    the batch, and independent of MLX's global random state.
+    With a seed, step i draws with key(seed, i) from the request's own logits, and from
+    nothing else: not MLX's global random state, not the other rows' draws. What that
+    guarantees: the same seed and prompt, computed the same way (the same batch shapes
+    and prefill chunks), give the same tokens. What it does not: when the logits are
+    computed another way (other requests batched beside it, a prefix restored from the
+    cache, other chunk sizes), they can differ in the last bits, and a draw that falls
+    within that distance of a boundary between two tokens picks the other one.
     """
     if params.greedy:
         return GREEDY_WITH_LOGPROBS if logprobs else GREEDY

