@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.routing import Route
 
 from appliance.reconcile.apply import Reconciler
 from appliance.reconcile.watch import watch
 from appliance.runtime import Appliance
-from appliance.server import admin, openai
+from appliance.server import admin, anthropic, openai, responses
 from appliance.server.errors import EXCEPTION_HANDLERS
 
 
@@ -37,11 +38,21 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
         # uvicorn has already let open streams drain for drain_timeout_s.
         await asyncio.to_thread(appliance.stop, drain_s=0)
 
+    api = [*openai.ROUTES, *anthropic.ROUTES, *responses.ROUTES]
     app = Starlette(
-        routes=[*openai.ROUTES, *admin.ROUTES],
+        routes=[*api, *aliases(api), *admin.ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     app.state.appliance = appliance
     app.state.reconciler = reconciler
     return app
+
+
+def aliases(routes: list[Route]) -> list[Route]:
+    """Returns each /v1 route also without /v1 and with it twice. Users give base URLs with
+    and without /v1, and SDKs differ on adding it: OpenAI's appends `/chat/completions` to
+    the base URL, Anthropic's `/v1/messages`."""
+    return [Route(path, r.endpoint, methods=sorted(r.methods - {"HEAD"}))
+            for r in routes if r.path.startswith("/v1/")
+            for path in (r.path.removeprefix("/v1"), "/v1" + r.path)]

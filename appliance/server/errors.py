@@ -1,4 +1,5 @@
-"""Errors in OpenAI's JSON shape, with the right status, for every failure the API can meet."""
+"""Errors with the right status for every failure the API can meet: in Anthropic's JSON
+shape on Anthropic's paths, in OpenAI's everywhere else."""
 
 from __future__ import annotations
 
@@ -34,6 +35,29 @@ class ApiError(Exception):
     def response(self) -> Response:
         return JSONResponse(self.to_data(), status_code=self.status, headers=self.headers)
 
+    def to_anthropic_data(self) -> dict:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> Response:
+        return JSONResponse(self.to_anthropic_data(), status_code=self.status, headers=self.headers)
+
+
+# Anthropic names its errors by status.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def render(request: Request, error: ApiError) -> Response:
+    """Returns the error in the shape of the API whose path was asked."""
+    path = request.url.path
+    while path.startswith("/v1/"):  # /messages, /v1/messages and /v1/v1/messages are all served
+        path = path.removeprefix("/v1")
+    if path == "/messages" or path.startswith("/messages/"):
+        return error.anthropic_response()
+    return error.response()
+
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
@@ -59,13 +83,13 @@ def from_exception(exc: Exception) -> ApiError:
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:
-    return from_exception(exc).response()
+    return render(request, from_exception(exc))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return ApiError(exc.status_code, message, type=kind, headers=exc.headers).response()
+    return render(request, ApiError(exc.status_code, message, type=kind, headers=exc.headers))
 
 
 # Domain exceptions are answered where they are raised; anything else is a 500 (and logged).

@@ -18,4 +18,10 @@ def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def sse_typed(data: dict) -> bytes:
+    """Returns one server-sent event named after its data's `type`, as the Anthropic and
+    Responses APIs frame them."""
+    return b"event: " + data["type"].encode() + b"\n" + sse(data)
+
+
 SSE_DONE = b"data: [DONE]\n\n"
