@@ -55,7 +55,9 @@ class ServerProcess:
     port: int
     log_path: Path
     env: dict[str, str] = field(default_factory=server_env)
+    cwd: Path = REPO  # `python -m appliance` imports the package from here
     process: subprocess.Popen | None = None
+    ready_s: float | None = None  # from the process's start to GET /health answering 200
 
     @property
     def url(self) -> str:
@@ -69,10 +71,12 @@ class ServerProcess:
     def start(self, *, ready_timeout_s: float = 300.0) -> ServerProcess:
         """Starts the server and returns once GET /health answers 200; raises RuntimeError."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            cwd=REPO, start_new_session=True)
+                                            cwd=self.cwd, start_new_session=True)
         self._wait_healthy(ready_timeout_s)
+        self.ready_s = time.perf_counter() - started
         return self
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -85,7 +89,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)  # the first request goes out this soon after readiness
         self.stop()
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
@@ -124,8 +128,10 @@ class ServerProcess:
 
 
 def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued: int,
-                prefill_chunk_tokens: int | None = None, log_name: str = "omlx") -> ServerProcess:
-    """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`."""
+                prefill_chunk_tokens: int | None = None, log_name: str = "omlx",
+                code: Path = REPO) -> ServerProcess:
+    """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`,
+    running the `appliance` package of the checkout at `code`."""
     port = free_port()
     chunk = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
     config = work_dir / "omlx.toml"
@@ -149,7 +155,7 @@ max_running = {max_running}
 max_queued = {max_queued}
 {chunk}""")
     argv = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
-    return ServerProcess("omlx", argv, port, OUT_DIR / "logs" / f"{log_name}.log")
+    return ServerProcess("omlx", argv, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
 
 
 def mlx_lm_server(model_dir: Path, *, extra_args: list[str], log_name: str = "mlx_lm") -> ServerProcess:

@@ -13,14 +13,15 @@ client-side to the first content chunk:
    Done SSD_REPEATS times (a new server and a dropped page cache each time); the median
    counts.
 
-Every server start is warmed up before anything is timed, with two requests unrelated to the
-measured prompt (a tiny chat and a ~400-token one), so MLX's first-use costs (and, after the
-restart, those of the restore path: the warm-up prompts are SSD hits of their own blocks)
-count against neither path. Which tier served a request comes from the server: the change of
-per-tier hit counters in GET /admin/api/cache and the request's `cached_by_tier` in
+Nothing is warmed up by the benchmark: each measured request is the first one a server gets
+after GET /health turned 200 (polled every 50 ms), as a user's script would send it, so the
+server's own start-up work counts. Every start's time to ready (process start to /health
+200) is recorded. Which tier served a request comes from the server: the change of per-tier
+hit counters in GET /admin/api/cache and the request's `cached_by_tier` in
 GET /admin/api/status.
 
     .venv/bin/python bench/restore.py [--quick]     # quick: 256 and 1K tokens; full: 512, 2K, 8K
+    .venv/bin/python bench/restore.py --sizes 2K --code /path/to/other/checkout   # another commit's server
 
 Writes bench/out/restore.json (bench/out/restore-quick.json with --quick) and prints a markdown
 table. Server logs: bench/out/logs/restore-<size>-<start>.log.
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     OUT_DIR,
+    REPO,
     ChatTokens,
     ForeignLoad,
     ServerProcess,
@@ -98,13 +100,6 @@ def prompt_of(tokens: ChatTokens, num_tokens: int, *, label: str) -> list[dict]:
     return chat(n)
 
 
-WARM_UP = [
-    [{"role": "user", "content": "Say hello."}],
-    [{"role": "system", "content": "You are terse. " + " ".join(f"Rule {i}: answer in plain words." for i in range(40))},
-     {"role": "user", "content": "What is a cache?"}],
-]
-
-
 # --- one size ----------------------------------------------------------------------------------
 
 
@@ -133,7 +128,7 @@ class SizeResult:
     cold: Shot | None = None
     memory: list[Shot] = field(default_factory=list)
     ssd_runs: list[Shot] = field(default_factory=list)  # one per restart
-    warm_up_errors: list[str] = field(default_factory=list)
+    ready_s: list[float] = field(default_factory=list)  # each start's time to /health 200
     drop_method: str | None = None
     block_files: int = 0
     block_bytes: int = 0
@@ -157,6 +152,11 @@ class SizeResult:
         return d["read_bytes"] / d["read_s"] / 1e9 if d.get("read_s") else None
 
     @property
+    def ready_median_s(self) -> float | None:
+        values = sorted(self.ready_s)
+        return values[len(values) // 2] if values else None
+
+    @property
     def memory_ttft_s(self) -> float | None:
         values = sorted(s.ttft_s for s in self.memory if s.ttft_s is not None)
         return values[len(values) // 2] if values else None
@@ -173,6 +173,7 @@ class SizeResult:
             "ssd_ttft_runs_s": [r.ttft_s for r in self.ssd_runs],
             "ssd_served_by": self.ssd.served_by if self.ssd else None,
             "ssd_read_gbps": self.ssd_read_gbps,
+            "ready_s": self.ready_s, "ready_median_s": self.ready_median_s,
             "meets_target": (None if self.target_tokens < TARGET_FROM_TOKENS or ratio(ssd, cold) is None
                              else ratio(ssd, cold) <= TARGET_SSD_SHARE),
         }
@@ -196,35 +197,25 @@ async def timed(server: ServerProcess, name: str, messages: list[dict]) -> Shot:
     return shot
 
 
-async def warm_up(server: ServerProcess) -> list[str]:
-    """Sends the unrelated warm-up requests; returns their errors."""
-    errors = []
-    async with client() as http:
-        for i, messages in enumerate(WARM_UP):
-            t = await stream_chat(http, server.url, messages, max_tokens=4, timeout_s=REQUEST_TIMEOUT_S)
-            if not t.ok:
-                errors.append(f"{server.log_path.name} warm-up {i}: {t.error or 'no content'}")
-    return errors
+def start(model_dir: Path, work_dir: Path, log_name: str, code: Path, result: SizeResult) -> ServerProcess:
+    server = omlx_server(model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name, code=code)
+    log(f"starting omlx ({server.log_path.name}, code {code}), cache dir {work_dir / 'cache'}")
+    server.start(ready_timeout_s=600)
+    result.ready_s.append(server.ready_s)
+    log(f"   ready in {server.ready_s:.2f} s")
+    return server
 
 
-def start(model_dir: Path, work_dir: Path, log_name: str) -> ServerProcess:
-    server = omlx_server(model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name)
-    log(f"starting omlx ({server.log_path.name}), cache dir {work_dir / 'cache'}")
-    return server.start(ready_timeout_s=600)
-
-
-def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: int, root: Path) -> SizeResult:
+def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: int, root: Path,
+                 code: Path) -> SizeResult:
     result = SizeResult(label=label, target_tokens=num_tokens)
     messages = prompt_of(tokens, num_tokens, label=f"restore-{label}")
     work_dir = root / label
     work_dir.mkdir()
     cache_dir = work_dir / "cache"
 
-    server = start(model_dir, work_dir, f"restore-{label}-1")
+    server = start(model_dir, work_dir, f"restore-{label}-1", code, result)
     try:
-        result.warm_up_errors += asyncio.run(warm_up(server))
-        wait_ssd_written(server.url)
-        warm_files = set(kv_files(cache_dir))
         result.cold = asyncio.run(timed(server, "cold", messages))
         result.prompt_tokens = result.cold.timing.prompt_tokens
         for i in range(MEMORY_REPEATS):
@@ -233,8 +224,7 @@ def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: in
     finally:
         result.server_exit_codes.append(server.stop(grace_s=60))
 
-    files = kv_files(cache_dir)
-    target_files = [f for f in files if f not in warm_files]  # the measured prompt's blocks
+    files = target_files = kv_files(cache_dir)  # the measured prompt's blocks
     result.block_files = len(target_files)
     result.block_bytes = sum(f.stat().st_size for f in target_files)
     for run in range(1, SSD_REPEATS + 1):
@@ -244,9 +234,8 @@ def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: in
             result.resident_after_drop_bytes = max(resident, result.resident_after_drop_bytes or 0)
         log(f"   {len(target_files)} block files, {result.block_bytes / 2**20:.1f} MiB; page cache dropped "
             f"({result.drop_method}), {resident} bytes of them still resident")
-        server = start(model_dir, work_dir, f"restore-{label}-ssd{run}")
+        server = start(model_dir, work_dir, f"restore-{label}-ssd{run}", code, result)
         try:
-            result.warm_up_errors += asyncio.run(warm_up(server))
             resident = resident_bytes(target_files)
             if resident is not None:
                 result.resident_before_ssd_request_bytes = max(resident, result.resident_before_ssd_request_bytes or 0)
@@ -264,8 +253,8 @@ def table(results: list[SizeResult]) -> str:
     rows = ["| prefix | prompt tokens | cold TTFT (s) | memory TTFT (s) | SSD-after-restart TTFT (s) "
             "| memory/cold | SSD/cold | target SSD/cold ≤ 2% | cached tokens (memory / SSD) "
             "| SSD request served by (tokens per tier) | SSD tier read GB/s | block files (MiB) | resident before SSD request "
-            "| SSD runs (s) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
+            "| SSD runs (s) | start to ready (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|---|"]
     for r in results:
         s = r.summary()
         target = "–" if s["meets_target"] is None else ("met" if s["meets_target"] else "missed")
@@ -276,7 +265,8 @@ def table(results: list[SizeResult]) -> str:
             f"| {fmt(s['ssd_ttft_s'], '.3f')} | {fmt(_pct(s['memory_over_cold']))}% | {fmt(_pct(s['ssd_over_cold']))}% "
             f"| {target} | {s['memory_cached_tokens']} / {s['ssd_cached_tokens']} of {r.prompt_tokens} "
             f"| {served} | {fmt(s['ssd_read_gbps'])} | {r.block_files} ({r.block_bytes / 2**20:.1f}) | {resident} "
-            f"| {' / '.join(fmt(t, '.3f') for t in s['ssd_ttft_runs_s'])} |")
+            f"| {' / '.join(fmt(t, '.3f') for t in s['ssd_ttft_runs_s'])} "
+            f"| {' / '.join(fmt(t, '.2f') for t in r.ready_s)} |")
     return "\n".join(rows)
 
 
@@ -290,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="where the cache dirs go (default: the temp dir)")
     parser.add_argument("--sizes", default=None, help="comma-separated prefix labels to run (e.g. 2K)")
+    parser.add_argument("--code", type=Path, default=REPO,
+                        help="the checkout whose omlx the servers run (default: this one)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.sizes:
@@ -309,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, n in sizes.items():
             log(f"prefix {label} ({n} tokens)")
             try:
-                results.append(measure_size(model_dir, tokens, label, n, Path(tmp)))
+                results.append(measure_size(model_dir, tokens, label, n, Path(tmp), args.code.resolve()))
             except Exception as e:  # keep the other sizes
                 log(f"   failed: {type(e).__name__}: {e}")
                 results.append(SizeResult(label=label, target_tokens=n, error=f"{type(e).__name__}: {e}"[:2000]))
@@ -320,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "model_dir": str(model_dir),
         "max_tokens": MAX_TOKENS,
-        "warm_up": "two unrelated requests after every server start (a tiny chat and a ~400-token one), not timed",
+        "code": str(args.code.resolve()),
+        "warm_up": "none by the benchmark: each measured request is the first after /health turned 200",
         "summary": [r.summary() for r in results],
         "sizes": results,
     }
@@ -329,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     methods = sorted({r.drop_method for r in results if r.drop_method})
     print(f"\nmemory: median of {MEMORY_REPEATS} repeats. SSD: median of {SSD_REPEATS} runs, each a new server on the "
-          f"same cache dir after the page cache was dropped ({', '.join(methods) or '–'}). Each server start was warmed up with two unrelated requests "
-          f"before timing. Target: SSD-after-restart TTFT ≤ {TARGET_SSD_SHARE:.0%} of cold from "
+          f"same cache dir after the page cache was dropped ({', '.join(methods) or '–'}). No warm-up request: each "
+          f"measured request is the first one its server got, sent once /health answered 200. Target: SSD-after-restart TTFT ≤ {TARGET_SSD_SHARE:.0%} of cold from "
           f"{TARGET_FROM_TOKENS} tokens up.\nResults: {path}")
     for r in results:
-        if r.error or r.warm_up_errors:
-            print(f"\n{r.label}: {r.error or ''} {'; '.join(r.warm_up_errors)}")
+        if r.error:
+            print(f"\n{r.label}: {r.error}")
     return 0
 
 
