@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.chat.prepare import PrepareError, prepare
 from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest
 from appliance.runtime import Appliance
@@ -41,16 +42,16 @@ async def chat_completions(request: Request) -> Response:
     params: ChatParams = parse_body(await request.body(), ChatParams)
     engine = await appliance_of(request).engine(params.model)
     loaded = engine.loaded
-    try:
-        prompt = loaded.encode_chat(params.chat())
-    except ApiError:
-        raise
-    except Exception as e:  # a template that rejects this conversation (roles, order)
-        raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+    turn = params.turn()
+    try:  # in a thread: a first grammar builds the tokenizer's index (about a second)
+        prepared = await asyncio.to_thread(prepare, loaded, turn)
+    except PrepareError as e:  # a template that rejects the conversation, a schema that won't compile
+        raise ApiError(400, str(e), param=e.param) from None
     top = (params.top_logprobs or 0) if params.logprobs else None
-    gen = generation_request(params, prompt, loaded,
+    gen = generation_request(params, list(prepared.prompt_tokens), loaded, constraint=prepared.constraint,
                              max_tokens=params.max_completion_tokens or params.max_tokens, top_logprobs=top)
-    return await respond(request, engine, gen, params, ChatShape(model=loaded.name, decode=decoder(engine)))
+    shape = ChatShape(model=loaded.name, decode=decoder(engine), parser=prepared.parser())
+    return await respond(request, engine, gen, params, shape)
 
 
 async def completions(request: Request) -> Response:
@@ -131,12 +132,13 @@ async def stream(handle: RequestHandle, shape: Shape, *, include_usage: bool,
             yield sse(shape.chunk(first))
         async for event in handle:
             if isinstance(event, Delta):
-                if event.text or event.logprobs:
-                    yield sse(shape.chunk([shape.delta_choice(event)]))
+                for choice in shape.delta_choices(event):
+                    yield sse(shape.chunk([choice]))
             elif event.reason in ENDED_BY_SERVER:
                 yield sse(ended_by_server(event).to_data())
             else:
-                yield sse(shape.chunk([shape.finish_choice(event.reason)]))
+                for choice in shape.finish_choices(event.reason):
+                    yield sse(shape.chunk([choice]))
                 if include_usage:
                     yield sse(shape.chunk([], usage=usage(event.stats)))
         yield SSE_DONE

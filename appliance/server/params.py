@@ -1,7 +1,7 @@
 """OpenAI request bodies: parsed, validated, and turned into a GenerationRequest.
 
 Unknown fields are ignored (clients send many); known fields with bad values are a 400
-that names the parameter.
+that names the parameter (`tools`, `tool_choice` and `response_format` included).
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from appliance.cache.model_cache import tenant_group
+from appliance.chat.turn import TEXT, OutputFormat, Tool, ToolCall, Turn
+from appliance.chat.turn import Message as ChatMessage
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import bad_request
@@ -73,10 +75,24 @@ class ContentPart(Lenient):
     text: str | None = None
 
 
+class FunctionCall(Lenient):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallParam(Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant, echoed back
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -87,22 +103,106 @@ class Message(Lenient):
         return "".join(p.text or "" for p in self.content)
 
 
+class FunctionDef(Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaParam(Lenient):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaParam | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+    def output_format(self) -> OutputFormat:
+        if self.type == "json_schema" and self.json_schema is not None:
+            return OutputFormat("json_schema", schema=self.json_schema.schema_, name=self.json_schema.name)
+        return OutputFormat(self.type)
+
+
 class ChatParams(CommonParams):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolParam] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
-    def chat(self) -> list[dict[str, str]]:
-        out = []
-        for i, m in enumerate(self.messages):
-            try:
-                text = m.text()
-            except ValueError as e:
-                raise bad_request(str(e), param=f"messages[{i}].content") from None
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": text})
-        return out
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_value(cls, v: Any) -> Any:
+        # Checked here so that an error names `tool_choice`, not a branch of the union.
+        if v is None or v in ("auto", "none", "required"):
+            return v
+        try:
+            return NamedToolChoice.model_validate(v)
+        except ValidationError:
+            raise ValueError('must be "auto", "none", "required" or '
+                             '{"type": "function", "function": {"name": ...}}') from None
+
+    def turn(self) -> Turn:
+        """Returns the request as an API-neutral Turn; raises a 400 naming a bad message
+        part or a tool_choice that does not fit the tools."""
+        return Turn(messages=tuple(self._message(i, m) for i, m in enumerate(self.messages)),
+                    tools=tuple(Tool(t.function.name, t.function.description,
+                                     t.function.parameters or {"type": "object", "properties": {}})
+                                for t in self.tools or ()),
+                    tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
+                    output_format=self.response_format.output_format() if self.response_format else TEXT)
+
+    def _tool_choice(self) -> str:
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return choice or "auto"
+        if not self.tools:
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                                  param="tool_choice")
+            return choice.function.name
+        return choice
+
+    @staticmethod
+    def _message(i: int, m: Message) -> ChatMessage:
+        try:
+            text = m.text()
+        except ValueError as e:
+            raise bad_request(str(e), param=f"messages[{i}].content") from None
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+        role = "system" if m.role == "developer" else m.role
+        return ChatMessage(role, text, tool_calls=calls, tool_call_id=m.tool_call_id,
+                           name=m.name if m.role == "tool" else None, reasoning=m.reasoning_content)
 
 
 class CompletionParams(CommonParams):
@@ -134,7 +234,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedModel, *,
                        max_tokens: int | None, top_logprobs: int | None,
-                       prompt_param: str = "messages", trim_leading_space: bool = True) -> GenerationRequest:
+                       prompt_param: str = "messages", trim_leading_space: bool = True,
+                       constraint: Any = None) -> GenerationRequest:
     """Returns the engine request; raises 400 for an empty or over-long prompt."""
     if not prompt:
         raise bad_request("the prompt is empty", param=prompt_param)
@@ -155,6 +256,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
         top_logprobs=top_logprobs,
         cache_group=tenant_group(params.cache_salt),
         trim_leading_space=trim_leading_space,
+        constraint=constraint,
     )
 
 
