@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from appliance.cache.model_cache import tenant_group
-from appliance.chat.prepare import OutputParser, Prepared, prepare
+from appliance.chat.prepare import OutputParser, PrepareError, Prepared, prepare
 from appliance.chat.turn import Event, ToolCallStart, Turn
 from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest, RequestStats, SamplingParams
@@ -39,8 +39,8 @@ def prepare_turn(loaded: LoadedModel, turn: Turn) -> Prepared:
     """Returns the prepared turn; a template that rejects the conversation is a 400."""
     try:
         return prepare(loaded, turn)
-    except ApiError:
-        raise
+    except PrepareError as e:
+        raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # roles, order, or content the template refuses
         raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
 
@@ -56,16 +56,13 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
         raise bad_request("the prompt is empty", param="messages")
     if len(prompt) >= loaded.context_tokens:
         raise PromptTooLong(len(prompt), loaded.context_tokens)
-    # Only a structured-output turn carries a constraint; GenerationRequest grows the field
-    # with that work, so a plain turn never names it.
-    constraint = {"constraint": prepared.constraint} if prepared.constraint is not None else {}
     request = GenerationRequest(
         prompt_tokens=tuple(prompt),
         max_tokens=min(max_tokens or loaded.spec.default_max_tokens, loaded.context_tokens - len(prompt)),
         sampling=sampling,
         stop=tuple(s for s in stop if s),
         cache_group=tenant_group(cache_salt),
-        **constraint,
+        constraint=prepared.constraint,
     )
     return TurnRun(loaded=loaded, request=request, handle=engine.submit(request), parser=prepared.parser())
 

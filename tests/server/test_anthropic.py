@@ -11,6 +11,7 @@ from typing import Iterator
 
 import anthropic
 import httpx
+import jsonschema
 import orjson
 import pytest
 
@@ -210,6 +211,47 @@ def test_context_runs_beyond_the_trained_length_by_choice(agent_server: Server):
     status = httpx.get(f"{agent_server.url}/admin/api/status").json()
     assert status["models"][0]["context_tokens"] == CONTEXT_TOKENS
     assert "beyond its trained 8192 tokens" in agent_server.output()
+
+
+WEATHER = [{"name": "get_weather", "description": "Gets the current weather of a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCE_WEATHER = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+
+
+@pytest.mark.slow
+def test_a_forced_tool_call_comes_back_as_tool_use(agent_server: Server, client: anthropic.Anthropic):
+    m = client.messages.create(model=MODEL_NAME, max_tokens=128, messages=ASK_WEATHER, tools=WEATHER,
+                               tool_choice=FORCE_WEATHER, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and isinstance(uses[0].input["city"], str)
+    # Streamed: the same call, its input in input_json_delta fragments.
+    body = {"model": MODEL_NAME, "max_tokens": 128, "messages": ASK_WEATHER, "tools": WEATHER,
+            "tool_choice": FORCE_WEATHER, "temperature": 0, "stream": True}
+    events = events_of(httpx.post(f"{agent_server.url}/v1/messages", json=body, timeout=300))
+    starts = [data for name, data in events if name == "content_block_start"]
+    assert starts[0]["content_block"]["type"] == "tool_use" and starts[0]["content_block"]["input"] == {}
+    fragments = [data["delta"]["partial_json"] for name, data in events
+                 if name == "content_block_delta" and data["index"] == starts[0]["index"]]
+    assert orjson.loads("".join(fragments)) == uses[0].input
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    # The result goes back; the conversation so far comes from the cache.
+    again = client.messages.create(model=MODEL_NAME, max_tokens=24, tools=WEATHER, extra_body=GREEDY, messages=[
+        *ASK_WEATHER, m.to_param(),
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 21 C"}]}])
+    assert again.content and again.usage.cache_read_input_tokens >= m.usage.cache_read_input_tokens
+
+
+@pytest.mark.slow
+def test_output_config_json_schema_is_followed(client: anthropic.Anthropic):
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["capital", "country"], "additionalProperties": False}
+    m = client.messages.create(model=MODEL_NAME, max_tokens=64, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(orjson.loads(m.content[0].text), schema)
 
 
 # A Claude-Code-shaped conversation: billing header, cached system blocks, a dozen tools,

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
+import jsonschema
 import openai
 import orjson
 import pytest
@@ -121,9 +122,41 @@ def test_text_format_json_schema_is_accepted_and_echoed(client: openai.OpenAI):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     fmt = {"format": {"type": "json_schema", "name": "capital", "schema": schema, "strict": True}}
-    r = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=16, temperature=0, text=fmt)
-    assert r.status in ("completed", "incomplete")
+    r = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=64, temperature=0, text=fmt)
+    assert r.status == "completed"
     assert r.text.format.type == "json_schema" and r.text.format.name == "capital"
+    jsonschema.validate(orjson.loads(r.output_text), schema)
+
+
+@pytest.mark.slow
+def test_a_forced_function_call_comes_back_as_an_item(codex_server: Server, client: openai.OpenAI):
+    tools = [CODEX_TOOLS[0], CODEX_TOOLS[5]]  # shell, and the docs MCP namespace
+    ask = "Search the docs for setuptools."
+    forced = {"type": "function", "name": "mcp__docs__search"}
+    r = client.responses.create(model=MODEL_NAME, input=ask, tools=tools, tool_choice=forced,
+                                parallel_tool_calls=False, max_output_tokens=128, temperature=0)
+    assert r.status == "completed"
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and (calls[0].name, calls[0].namespace) == ("search", "mcp__docs__")
+    assert isinstance(orjson.loads(calls[0].arguments)["query"], str)
+    # Streamed: the same call, its arguments in fragments.
+    body = {"model": MODEL_NAME, "input": ask, "tools": tools, "tool_choice": forced, "parallel_tool_calls": False,
+            "max_output_tokens": 128, "temperature": 0, "stream": True}
+    events = events_of(httpx.post(f"{codex_server.url}/v1/responses", json=body, timeout=300))
+    added = next(data for name, data in events if name == "response.output_item.added")
+    assert added["item"]["type"] == "function_call" and added["item"]["arguments"] == ""
+    item_id = added["item"]["id"]
+    fragments = [data["delta"] for name, data in events
+                 if name == "response.function_call_arguments.delta" and data["item_id"] == item_id]
+    done = next(data for name, data in events
+                if name == "response.function_call_arguments.done" and data["item_id"] == item_id)
+    assert "".join(fragments) == done["arguments"] == calls[0].arguments
+    # The output goes back; the conversation so far comes from the cache.
+    history = [{"role": "user", "content": ask}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "setuptools builds packages."}]
+    again = client.responses.create(model=MODEL_NAME, input=history, tools=tools, max_output_tokens=24,
+                                    temperature=0)
+    assert again.output and again.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens // 256 * 256
 
 
 @pytest.mark.slow
