@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from appliance import cli_cache
+from appliance import cli_cache, cli_connect
 from appliance.config import ConfigError, dump_toml, load_spec
 
 DEFAULT_CONFIG = "omlx.toml"
@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     diff.set_defaults(run=run_diff)
 
     cli_cache.add_parser(sub, print_errors)
+    cli_connect.add_parser(sub, print_errors)
     return p
 
 

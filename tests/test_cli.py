@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 
+from appliance.cli_connect import base_url
 from appliance.spec import Spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,3 +94,72 @@ def test_syntax_error(tmp_path):
     assert result.returncode == 1
     assert "TOML syntax error" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def connect(config: Path, *args: str) -> subprocess.CompletedProcess:
+    """Returns the finished `python -m appliance connect ARGS --config CONFIG`."""
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "connect", *args, "--config", str(config)],
+        cwd=REPO, env=os.environ, capture_output=True, text=True, timeout=60,
+    )
+
+
+TWO_MODELS = """
+[server]
+port = 8123
+
+[[models]]
+name = "small"
+source = "small.gguf"
+
+[[models]]
+name = "big"
+source = "big.gguf"
+default = true
+max_context_tokens = 16384
+"""
+
+
+def test_connect_claude_prints_exports_for_the_default_model(tmp_path):
+    path = tmp_path / "omlx.toml"
+    path.write_text(TWO_MODELS)
+    result = connect(path, "claude")
+    assert result.returncode == 0, result.stderr
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in result.stdout.splitlines()
+                   if line.startswith("export "))
+    assert exports["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8123"
+    assert exports["ANTHROPIC_AUTH_TOKEN"]
+    for key in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+                "ANTHROPIC_SMALL_FAST_MODEL"):
+        assert exports[key] == "big"
+    # The lines run as they are in a shell.
+    shell = subprocess.run(["bash", "-c", f'eval "$({sys.executable} -m appliance connect claude '
+                            f'--config {path} --model small)"; echo "$ANTHROPIC_MODEL $ANTHROPIC_BASE_URL"'],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert shell.stdout.strip() == "small http://127.0.0.1:8123"
+
+
+def test_connect_codex_prints_a_responses_provider_and_profile(tmp_path):
+    path = tmp_path / "omlx.toml"
+    path.write_text(TWO_MODELS)
+    result = connect(path, "codex")
+    assert result.returncode == 0, result.stderr
+    data = tomllib.loads(result.stdout)
+    assert data["model_providers"]["omlx"] == {"name": "omlx", "base_url": "http://127.0.0.1:8123/v1",
+                                               "wire_api": "responses"}
+    assert data["profiles"]["omlx"] == {"model": "big", "model_provider": "omlx", "model_context_window": 16384}
+
+
+def test_connect_reaches_a_server_listening_everywhere_locally():
+    assert base_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert base_url("::", 8000) == "http://127.0.0.1:8000"
+    assert base_url("::1", 8000) == "http://[::1]:8000"
+    assert base_url("omlx.local", 8000) == "http://omlx.local:8000"
+
+
+def test_connect_names_an_unknown_model(tmp_path):
+    path = tmp_path / "omlx.toml"
+    path.write_text(TWO_MODELS)
+    result = connect(path, "codex", "--model", "nope")
+    assert result.returncode == 1
+    assert "no model 'nope'" in result.stderr and "small, big" in result.stderr

@@ -1,0 +1,85 @@
+"""`omlx connect claude|codex`: prints how to point a coding agent at this config's server.
+
+Claude Code reads environment variables (printed as `export` lines, for `eval`); Codex reads
+a model provider and a profile from `~/.codex/config.toml` (printed as TOML to add there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from appliance.config import ConfigError, load_spec
+from appliance.spec import Spec
+
+
+def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
+    connect = sub.add_parser("connect", help="print the settings that point Claude Code or Codex at omlx")
+    connect.add_argument("agent", choices=["claude", "codex"])
+    connect.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
+    connect.add_argument("--model", help="the model the agent uses (default: the config's default model)")
+    connect.set_defaults(run=lambda args: run(args, print_errors))
+
+
+def run(args: argparse.Namespace, print_errors) -> int:
+    try:
+        spec = load_spec(args.config).spec
+    except ConfigError as e:
+        print_errors(e, args.config)
+        return 1
+    model = spec.model(args.model) if args.model else spec.default_model
+    if model is None:
+        names = ", ".join(m.name for m in spec.models)
+        print(f"omlx connect: no model {args.model!r} in {args.config} (models: {names})", file=sys.stderr)
+        return 1
+    text = claude_settings(spec, model.name) if args.agent == "claude" else codex_settings(spec, model.name)
+    sys.stdout.write(text)
+    return 0
+
+
+def base_url(host: str, port: int) -> str:
+    """Returns the server's URL as a client on this machine reaches it."""
+    if host in ("0.0.0.0", "::", ""):  # listening everywhere: reach it locally
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def claude_settings(spec: Spec, model: str) -> str:
+    """Returns `export` lines for Claude Code: every model tier is the omlx model."""
+    url = base_url(spec.server.host, spec.server.port)
+    env = {
+        "ANTHROPIC_BASE_URL": url,  # Claude Code appends /v1/messages
+        "ANTHROPIC_AUTH_TOKEN": "omlx",  # omlx has no auth yet; Claude Code needs some token
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,  # the older name of the haiku tier
+        "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "API_TIMEOUT_MS": "600000",  # a local model's first long prompt can take minutes
+    }
+    lines = [f"# Claude Code -> omlx at {url}, model {model}. Use: eval \"$(omlx connect claude)\""]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def codex_settings(spec: Spec, model: str) -> str:
+    """Returns the TOML to add to ~/.codex/config.toml: an omlx provider and profile."""
+    url = base_url(spec.server.host, spec.server.port)
+    context = spec.model(model).max_context_tokens
+    window = f"model_context_window = {context}\n" if context else ""
+    return f"""# Codex -> omlx at {url}, model {model}.
+# Add to ~/.codex/config.toml, then run `codex --profile omlx` (or `codex exec --profile omlx ...`).
+[model_providers.omlx]
+name = "omlx"
+base_url = "{url}/v1"
+wire_api = "responses"
+
+[profiles.omlx]
+model = "{model}"
+model_provider = "omlx"
+{window}"""
