@@ -351,9 +351,11 @@ async def create_response(request: Request) -> Response:
                           "send the whole conversation in `input`", param="previous_response_id")
     engine = await appliance_of(request).engine(params.model)
     functions = Functions(params.tools)
+    # No max_output_tokens: as upstream, the answer may fill the context. Codex sends none,
+    # and it takes an answer cut off by a limit it never set (`incomplete`) for a failure.
+    max_tokens = params.max_output_tokens or engine.loaded.context_tokens
     try:
-        run = submit_turn(engine, turn_of(params, functions), max_tokens=params.max_output_tokens,
-                          sampling=params.sampling())
+        run = submit_turn(engine, turn_of(params, functions), max_tokens=max_tokens, sampling=params.sampling())
     except PromptTooLong as e:
         raise too_long(e) from None
     writer = ResponseWriter(params, engine.loaded.name, run, functions)

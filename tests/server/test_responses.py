@@ -29,7 +29,7 @@ def codex_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with the model's whole trained context, for Codex-sized prompts."""
     root = tmp_path_factory.mktemp("responses")
     port = free_port()
-    config = write_config(root / "omlx.toml", port=port)
+    config = write_config(root / "omlx.toml", port=port, model_extra="default_max_tokens = 4")
     config.write_text(config.read_text().replace("max_context_tokens = 2048",
                                                  f"max_context_tokens = {CONTEXT_TOKENS}"))
     srv = start_server(config, port, root / "server.log")
@@ -115,6 +115,14 @@ def test_max_output_tokens_makes_the_response_incomplete(codex_server: Server, c
     events = events_of(httpx.post(f"{codex_server.url}/v1/responses", json=body, timeout=300))
     assert events[-1][0] == "response.incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+@pytest.mark.slow
+def test_without_max_output_tokens_the_answer_may_fill_the_context(client: openai.OpenAI):
+    r = client.responses.create(model=MODEL_NAME, input=QUESTION, temperature=0)
+    # The model's default_max_tokens (4 here) is not a limit the client set.
+    assert r.status == "completed" and r.usage.output_tokens > 4
+    assert "Paris" in r.output_text
 
 
 @pytest.mark.slow
