@@ -172,6 +172,28 @@ def dump_toml(spec: Spec) -> str:
     return tomli_w.dumps(spec.to_data())
 
 
+MASK = "**********"  # how the spec's keys are shown (pydantic's SecretStr)
+
+
+def restore_secrets(data: dict[str, Any], applied: Spec) -> dict[str, Any]:
+    """Returns `data` with masked keys (as GET /admin/api/config shows them) replaced by the
+    applied spec's: the admin key, and each API key by its position."""
+    server = data.get("server")
+    if not isinstance(server, dict):
+        return data
+    server = dict(server)
+    if server.get("admin_key") == MASK and applied.server.admin_key is not None:
+        server["admin_key"] = applied.server.admin_key.get_secret_value()
+    keys = server.get("api_keys")
+    if isinstance(keys, list):
+        old = applied.server.api_keys
+        server["api_keys"] = [
+            {**k, "key": old[i].key.get_secret_value()}
+            if isinstance(k, dict) and k.get("key") == MASK and i < len(old) and old[i].key is not None else k
+            for i, k in enumerate(keys)]
+    return {**data, "server": server}
+
+
 def write_config(path: Path, data: dict[str, Any]) -> LoadedConfig:
     """Validates `data` as the config at `path` (profiles and env included) and writes it
     atomically; returns the loaded result. Raises ConfigError and leaves the file as it was."""

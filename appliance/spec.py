@@ -8,15 +8,21 @@ environment variables underneath and on top before validation.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import os
 from pathlib import Path
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 2**30
+MIB = 2**20
+# A tenant names whose KV a key's requests read and write; it becomes part of cache paths.
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+MIN_KEY_CHARS = 16
 
 KernelChoice = Literal["auto", "generic", "native"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -26,11 +32,99 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def secret_of(value: SecretStr | None, env: str | None) -> str | None:
+    """Returns a key given inline or by the name of an environment variable."""
+    if value is not None:
+        return value.get_secret_value()
+    return os.environ.get(env) if env else None
+
+
+def check_secret(value: SecretStr | None, env: str | None, *, what: str, required: bool) -> None:
+    if value is not None and env is not None:
+        raise ValueError(f"give {what} inline or by environment variable ({what}_env), not both")
+    if env is not None and not os.environ.get(env):
+        raise ValueError(f"environment variable {env} (named by {what}_env) is not set")
+    secret = secret_of(value, env)
+    if secret is None:
+        if required:
+            raise ValueError(f"{what} or {what}_env is required")
+        return
+    if len(secret) < MIN_KEY_CHARS:
+        raise ValueError(f"{what} must have at least {MIN_KEY_CHARS} characters")
+
+
+class ApiKeySpec(Frozen):
+    """One API key, and the tenant whose KV its requests read and write."""
+
+    key: SecretStr | None = None
+    key_env: str | None = Field(None, min_length=1)
+    tenant: str = Field("default", pattern=TENANT_PATTERN)
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ApiKeySpec:
+        check_secret(self.key, self.key_env, what="key", required=True)
+        return self
+
+    @property
+    def secret(self) -> str:
+        return secret_of(self.key, self.key_env) or ""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
 class ServerSpec(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     # Seconds a shutdown waits for running requests before cutting them off.
     drain_timeout_s: float = Field(10.0, ge=0)
+    # The admin API and the dashboard need this key when it is set (never shown or logged).
+    admin_key: SecretStr | None = None
+    admin_key_env: str | None = Field(None, min_length=1)
+    # With keys, every API request needs one; each key's tenant scopes its KV cache.
+    api_keys: tuple[ApiKeySpec, ...] = ()
+    # A non-loopback host without keys is refused unless this says so explicitly.
+    allow_unauthenticated: bool = False
+
+
+    @model_validator(mode="after")
+    def _keys(self) -> ServerSpec:
+        check_secret(self.admin_key, self.admin_key_env, what="admin_key", required=False)
+        secrets = [k.secret for k in self.api_keys] + ([self.admin_secret] if self.admin_secret else [])
+        if len(set(secrets)) != len(secrets):
+            raise ValueError("every key (api_keys and admin_key) must be different")
+        if not is_loopback(self.host) and not self.allow_unauthenticated and not (self.api_keys and self.admin_secret):
+            raise PydanticCustomError(
+                "unauthenticated",
+                "binding {host}, which is not a loopback address, needs api_keys and an admin_key "
+                "(or allow_unauthenticated = true, to serve anyone who can reach the port)",
+                {"host": self.host, "path": "server.host"})
+        return self
+
+    @property
+    def admin_secret(self) -> str | None:
+        return secret_of(self.admin_key, self.admin_key_env)
+
+    @property
+    def open_to_the_network(self) -> bool:
+        """True when a non-loopback bind serves without keys (allow_unauthenticated)."""
+        return not is_loopback(self.host) and not (self.api_keys and self.admin_secret)
+
+
+class LimitsSpec(Frozen):
+    """Per-request and per-key limits; a request over one gets a 4xx in its API's shape."""
+
+    max_body_bytes: int = Field(32 * MIB, ge=1024)  # agents send 50-500 KB; 32 MiB is ~8M tokens of text
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the model's context is the limit
+    max_tokens: int = Field(65_536, ge=1)  # the most a request may ask for (clamped later to the room left)
+    max_concurrent_per_key: int = Field(64, ge=1)  # in flight at once per key (or for all, without keys)
+    max_queued_per_key: int = Field(256, ge=0)  # waiting for one of those beyond that: then 429
 
 
 class ModelSpec(Frozen):
@@ -112,6 +206,7 @@ class Spec(BaseSettings):
     models: tuple[ModelSpec, ...]
     cache: CacheSpec = CacheSpec()
     batching: BatchingSpec = BatchingSpec()
+    limits: LimitsSpec = LimitsSpec()
     kernels: KernelsSpec = KernelsSpec()
 
     @classmethod
@@ -158,5 +253,9 @@ class Spec(BaseSettings):
 
     @property
     def hash(self) -> str:
-        data = orjson.dumps(self.to_data(), option=orjson.OPT_SORT_KEYS)
+        """Returns a digest of the spec; keys count by their own digest (the dump masks them)."""
+        server = self.server
+        secrets = [server.admin_secret or "", *(k.secret for k in server.api_keys)]
+        data = orjson.dumps([self.to_data(), hashlib.sha256("\0".join(secrets).encode()).hexdigest()],
+                            option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(data).hexdigest()[:16]

@@ -53,7 +53,7 @@ def own_cache_dir(root: Path) -> Path:
 
 
 def write_config(path: Path, *, port: int, cache_dir: Path | None = None, extra: str = "",
-                 model_extra: str = "", cache_extra: str = "") -> Path:
+                 model_extra: str = "", cache_extra: str = "", server_extra: str = "") -> Path:
     """Writes an omlx.toml serving the real model; returns its path."""
     cache_dir = cache_dir or own_cache_dir(path.parent)
     path.write_text(f"""
@@ -61,6 +61,7 @@ def write_config(path: Path, *, port: int, cache_dir: Path | None = None, extra:
 host = "127.0.0.1"
 port = {port}
 drain_timeout_s = 5
+{server_extra}
 
 [[models]]
 name = "{MODEL_NAME}"

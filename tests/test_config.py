@@ -251,13 +251,13 @@ def test_truncated_inside_a_multibyte_character(tmp_path):
 
 
 def test_env_overrides_single_keys(tmp_path, monkeypatch):
-    path = config(tmp_path, ONE_MODEL + "[server]\nport = 8001\nhost = '0.0.0.0'\n[cache]\nmemory_gb = 1.0\n")
+    path = config(tmp_path, ONE_MODEL + "[server]\nport = 8001\nhost = '127.0.0.2'\n[cache]\nmemory_gb = 1.0\n")
     monkeypatch.setenv("OMLX_SERVER__PORT", "9000")
     monkeypatch.setenv("OMLX_CACHE__MEMORY_GB", "3.5")
     monkeypatch.setenv("OMLX_BATCHING__MAX_RUNNING", "2")
     spec = load_spec(path).spec
     assert (spec.server.port, spec.cache.memory_gb, spec.batching.max_running) == (9000, 3.5, 2)
-    assert spec.server.host == "0.0.0.0"  # untouched keys of the section stay
+    assert spec.server.host == "127.0.0.2"  # untouched keys of the section stay
     assert spec.batching.max_queued == 64
 
 
@@ -298,7 +298,7 @@ def test_unparsable_env_section_is_a_config_error(tmp_path, monkeypatch):
 
 PROFILE = """
 [server]
-host = "0.0.0.0"
+host = "127.0.0.2"
 port = 8100
 
 [cache]
@@ -318,7 +318,7 @@ def test_profile_layers_underneath(tmp_path):
     spec = loaded.spec
     assert spec.profile == "big"
     assert loaded.files == (path.resolve(), profile.resolve())
-    assert (spec.server.host, spec.server.port) == ("0.0.0.0", 8100)  # from the profile
+    assert (spec.server.host, spec.server.port) == ("127.0.0.2", 8100)  # from the profile
     assert spec.cache.memory_gb == 4.0  # the file's own key wins
     assert spec.cache.ssd_gb == 100.0  # tables merge key by key
     assert spec.cache.host_gb == 4.0  # neither sets it: the default
@@ -412,10 +412,10 @@ def test_dump_round_trips_a_profiled_spec(tmp_path):
 
 def test_dump_is_fully_resolved(tmp_path):
     data = tomllib.loads(dump_toml(load_spec(config(tmp_path, ONE_MODEL)).spec))
-    assert set(data) == {"server", "models", "cache", "batching", "kernels"}
+    assert set(data) == {"server", "models", "cache", "batching", "limits", "kernels"}
     assert data["batching"]["max_running"] == 8
-    assert data["models"] == [{"name": "tiny", "source": "tiny.gguf", "default": False,
-                               "dtype": "auto", "default_max_tokens": 512}]
+    assert data["models"] == [{"name": "tiny", "source": "tiny.gguf", "default": False, "dtype": "auto",
+                               "allow_beyond_trained_context": False, "default_max_tokens": 512}]
 
 
 def test_hash_changes_when_a_key_changes(tmp_path):

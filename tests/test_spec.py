@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -139,9 +140,9 @@ def test_spec_and_sections_are_frozen():
 def test_env_overrides_single_keys(monkeypatch):
     monkeypatch.setenv("OMLX_SERVER__PORT", "9000")
     monkeypatch.setenv("OMLX_CACHE__MEMORY_GB", "3.5")
-    spec = Spec(models=ONE_MODEL, server={"host": "0.0.0.0", "port": 8001})
+    spec = Spec(models=ONE_MODEL, server={"host": "127.0.0.2", "port": 8001})
     assert spec.server.port == 9000
-    assert spec.server.host == "0.0.0.0"  # the rest of the section stays as given
+    assert spec.server.host == "127.0.0.2"  # the rest of the section stays as given
     assert spec.cache.memory_gb == 3.5
     assert spec.cache.block_tokens == 256
 
@@ -189,3 +190,56 @@ def test_hash_is_stable_and_tracks_every_key():
     hashes = {s.hash for s in changed}
     assert base.hash not in hashes
     assert len(hashes) == len(changed)
+
+
+# --- keys and limits ([server] auth, [limits]) -------------------------------------------------
+
+KEY = "k" * 20
+
+
+def test_api_keys_carry_tenants_and_come_inline_or_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TEST_SPEC_KEY", "e" * 20)
+    spec = Spec(models=ONE_MODEL, server={"admin_key": "a" * 20, "api_keys": [
+        {"key": KEY, "tenant": "team-a"}, {"key_env": "TEST_SPEC_KEY"}]})
+    a, b = spec.server.api_keys
+    assert (a.secret, a.tenant, b.secret, b.tenant) == (KEY, "team-a", "e" * 20, "default")
+    assert spec.server.admin_secret == "a" * 20
+
+
+@pytest.mark.parametrize("server, message", [
+    ({"api_keys": [{"key": KEY, "key_env": "X"}]}, "not both"),
+    ({"api_keys": [{"key_env": "TEST_SPEC_UNSET_KEY"}]}, "TEST_SPEC_UNSET_KEY (named by key_env) is not set"),
+    ({"api_keys": [{}]}, "key or key_env is required"),
+    ({"api_keys": [{"key": "short"}]}, "at least 16 characters"),
+    ({"api_keys": [{"key": KEY}, {"key": KEY}]}, "must be different"),
+    ({"api_keys": [{"key": KEY}], "admin_key": KEY}, "must be different"),
+    ({"api_keys": [{"key": KEY, "tenant": "../etc"}]}, "should match pattern"),
+    ({"host": "0.0.0.0"}, "needs api_keys and an admin_key"),
+    ({"host": "192.168.1.5", "api_keys": [{"key": KEY}]}, "needs api_keys and an admin_key"),
+])
+def test_bad_keys_and_open_binds_are_refused(server, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        Spec(models=ONE_MODEL, server=server)
+
+
+def test_a_non_loopback_bind_needs_keys_or_an_explicit_choice():
+    keyed = Spec(models=ONE_MODEL, server={"host": "0.0.0.0", "admin_key": "a" * 20, "api_keys": [{"key": KEY}]})
+    assert not keyed.server.open_to_the_network
+    open_ = Spec(models=ONE_MODEL, server={"host": "0.0.0.0", "allow_unauthenticated": True})
+    assert open_.server.open_to_the_network
+    assert not Spec(models=ONE_MODEL, server={"host": "::1"}).server.open_to_the_network
+
+
+def test_keys_are_masked_in_the_dump_and_still_change_the_hash():
+    one = Spec(models=ONE_MODEL, server={"api_keys": [{"key": KEY}]})
+    other = Spec(models=ONE_MODEL, server={"api_keys": [{"key": "o" * 20}]})
+    assert one.to_data()["server"]["api_keys"] == [{"key": "**********", "tenant": "default"}]
+    assert KEY not in str(one.to_data())
+    assert one.hash != other.hash
+
+
+def test_limits_have_defaults_and_bounds():
+    limits = Spec(models=ONE_MODEL).limits
+    assert (limits.max_body_bytes, limits.max_prompt_tokens, limits.max_tokens) == (32 * 2**20, None, 65_536)
+    with pytest.raises(ValidationError, match="limits.max_concurrent_per_key|max_concurrent_per_key"):
+        Spec(models=ONE_MODEL, limits={"max_concurrent_per_key": 0})

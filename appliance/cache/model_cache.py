@@ -12,6 +12,7 @@ import hashlib
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -60,11 +61,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# The tenant of the request being served: its API key's, set by the server's auth
+# (appliance.server.guard) for the task serving the request; the default tenant elsewhere.
+REQUEST_TENANT: ContextVar[str] = ContextVar("omlx_request_tenant", default=DEFAULT_GROUP)
+
+
+def cache_group(tenant: str, salt: str | None = None) -> str:
+    """Returns the cache group of a tenant's requests, narrowed by a `cache_salt`: groups
+    never share blocks, and no salt reaches another tenant's group (tenant names have no
+    '.', salts are hashed)."""
+    salted = "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:24] if salt else None
+    if tenant == DEFAULT_GROUP:
+        return salted or DEFAULT_GROUP
+    return f"tenant-{tenant}" + (f".{salted}" if salted else "")
+
+
 def tenant_group(salt: str | None) -> str:
-    """Returns the cache group of a request's `cache_salt` (the default group when None)."""
-    if not salt:
-        return DEFAULT_GROUP
-    return "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:24]
+    """Returns the cache group of the request being served, with its `cache_salt`."""
+    return cache_group(REQUEST_TENANT.get(), salt)
 
 
 class ModelCache:

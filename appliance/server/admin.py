@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from appliance.config import ConfigError, write_config
+from appliance.config import ConfigError, restore_secrets, write_config
 from appliance.reconcile.watch import reconcile_now
 from appliance.server.errors import ApiError
 from appliance.server.json import JSONResponse
@@ -57,7 +57,7 @@ async def put_config(request: Request) -> Response:
         raise ApiError(400, "the body must be a JSON object: the spec's tables", code="invalid_json")
     app = request.app.state.appliance
     try:
-        await asyncio.to_thread(write_config, app.config.path, data)
+        await asyncio.to_thread(write_config, app.config.path, restore_secrets(data, app.spec))
     except ConfigError as e:
         return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "param": None,
                                        "code": "invalid_config", "issues": e.to_data()["issues"]}},

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from appliance.reconcile.apply import Reconciler
@@ -15,6 +16,7 @@ from appliance.reconcile.watch import watch
 from appliance.runtime import Appliance
 from appliance.server import admin, anthropic, openai, responses
 from appliance.server.errors import EXCEPTION_HANDLERS
+from appliance.server.guard import Guard
 
 
 def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[Any]] | None = None,
@@ -42,6 +44,7 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
     app = Starlette(
         routes=[*api, *aliases(api), *admin.ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[Middleware(Guard)],  # keys, tenants, limits: before any route
         lifespan=lifespan,
     )
     app.state.appliance = appliance

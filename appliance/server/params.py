@@ -17,6 +17,7 @@ from appliance.chat.turn import Message as ChatMessage
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import bad_request
+from appliance.server.limits import check_tokens
 
 MAX_STOPS = 16
 
@@ -236,9 +237,11 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
                        max_tokens: int | None, top_logprobs: int | None,
                        prompt_param: str = "messages", trim_leading_space: bool = True,
                        constraint: Any = None) -> GenerationRequest:
-    """Returns the engine request; raises 400 for an empty or over-long prompt."""
+    """Returns the engine request; raises 400 for an empty or over-long prompt, or one over
+    the server's [limits]."""
     if not prompt:
         raise bad_request("the prompt is empty", param=prompt_param)
+    check_tokens(prompt_tokens=len(prompt), max_tokens=max_tokens, param=prompt_param)
     context = loaded.context_tokens
     if len(prompt) >= context:
         raise bad_request(

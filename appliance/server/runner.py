@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from types import FrameType
 
@@ -13,6 +14,7 @@ from appliance import platform
 from appliance.config import LoadedConfig
 from appliance.runtime import Appliance
 from appliance.server.app import build_app
+from appliance.spec import ServerSpec
 
 log = logging.getLogger("omlx")
 
@@ -50,10 +52,19 @@ class Server(uvicorn.Server):
         return (lambda: close([new])), (lambda: close(old))
 
 
+def warn_if_open(server: ServerSpec) -> None:
+    if server.open_to_the_network:
+        log.warning("serving %s without keys (allow_unauthenticated = true): anyone who can reach port %d "
+                    "can use the API, the admin API and the KV cache of every prompt", server.host, server.port)
+
+
 def serve(config: LoadedConfig) -> int:
     """Serves `config` until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     platform.log_blas_status()
+    # The cache holds other people's prompts: everything omlx creates is this user's alone.
+    os.umask(0o077)
+    warn_if_open(config.spec.server)
     platform.limit_device_memory()
     spec = config.spec
     appliance = Appliance(config)

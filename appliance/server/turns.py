@@ -19,6 +19,7 @@ from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest, RequestStats, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import ApiError, bad_request
+from appliance.server.limits import check_tokens
 from appliance.server.openai import ENDED_BY_SERVER, cancel_on_disconnect, ended_by_server
 
 
@@ -54,6 +55,7 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
     prompt = prepared.prompt_tokens
     if not prompt:
         raise bad_request("the prompt is empty", param="messages")
+    check_tokens(prompt_tokens=len(prompt), max_tokens=max_tokens, param="messages")
     if len(prompt) >= loaded.context_tokens:
         raise PromptTooLong(len(prompt), loaded.context_tokens)
     request = GenerationRequest(

@@ -85,7 +85,7 @@ def test_host_or_port_change_rebinds_last():
     desired = spec(server={"port": 9001}, batching={"max_running": 2}, cache={"ssd_gb": 10.0})
     actions = plan(spec(), desired)
     assert actions[-1] == Rebind("127.0.0.1", 9001)
-    assert plan(spec(), spec(server={"host": "0.0.0.0"})) == (Rebind("0.0.0.0", 8000),)
+    assert plan(spec(), spec(server={"host": "127.0.0.2"})) == (Rebind("127.0.0.2", 8000),)
 
 
 def test_drain_timeout_alone_plans_nothing_to_rebind():
