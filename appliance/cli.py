@@ -77,10 +77,15 @@ def run_diff(args: argparse.Namespace) -> int:
         return 1
     server = desired.spec.server
     try:
-        applied = httpx.get(f"http://{server.host}:{server.port}/admin/api/config", timeout=30).json()
+        response = httpx.get(f"http://{server.host}:{server.port}/admin/api/config", headers=server.admin_headers,
+                             timeout=30)
     except httpx.HTTPError as e:
         print(f"omlx diff: no server answers on {server.host}:{server.port} ({e})", file=sys.stderr)
         return 1
+    if response.status_code != 200:  # e.g. 401: the file's admin_key is not the server's
+        print(f"omlx diff: the server answered {response.status_code}: {response.text}", file=sys.stderr)
+        return 1
+    applied = response.json()
     actions = plan(Spec(**applied["spec"]), desired.spec)
     print(f"applied {applied['hash']} -> file {desired.spec.hash}")
     for action in actions:

@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
     export = verbs.add_parser("export", help="write a model's SSD blocks to a portable archive")
     export.add_argument("path", type=Path)
     export.add_argument("--model", help="the model (default: the config's default model)")
+    export.add_argument("--tenant", default="default", help="whose blocks (an API key's tenant; default: default)")
     imp = verbs.add_parser("import", help="verify and add the blocks of an archive")
     imp.add_argument("path", type=Path)
     for verb in (stats, clear, export, imp):  # `--config` also after the verb
@@ -65,14 +66,15 @@ def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
     requests = {
         "stats": ("GET", base, None),
         "clear": ("POST", f"{base}/clear", {"model": args.model} if args.verb == "clear" and args.model else {}),
-        "export": ("POST", f"{base}/export", {"path": str(getattr(args, "path", "")), "model": getattr(args, "model", None)}),
+        "export": ("POST", f"{base}/export", {"path": str(getattr(args, "path", "")), "model": getattr(args, "model", None),
+                                              "tenant": getattr(args, "tenant", "default")}),
         "import": ("POST", f"{base}/import", {"path": str(getattr(args, "path", ""))}),
     }
     method, url, body = requests[args.verb]
     if args.verb in ("export", "import"):
         body["path"] = str(Path(body["path"]).resolve())
     try:
-        response = httpx.request(method, url, json=body, timeout=ADMIN_TIMEOUT_S)
+        response = httpx.request(method, url, json=body, headers=server.admin_headers, timeout=ADMIN_TIMEOUT_S)
     except httpx.ConnectError:
         return None
     data = response.json()
@@ -83,6 +85,7 @@ def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
 
 def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
     """Runs the command on the cache files directly (no server running)."""
+    from appliance.cache.model_cache import cache_group
     from appliance.cache.ssd import SsdTier
 
     spec = config.spec
@@ -98,7 +101,7 @@ def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
             prefix = model_dir(model_weights(config, args.model)) if args.model else None
             return {"removed_blocks": tier.clear(prefix), "model": args.model}
         if args.verb == "export":
-            group = tenant_dir(model_weights(config, args.model))
+            group = tenant_dir(model_weights(config, args.model), cache_group(args.tenant))
             return {"exported_blocks": tier.export(group, args.path), "path": str(args.path)}
         return {"imported_blocks": tier.import_archive(args.path), "path": str(args.path)}
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import platform
-from appliance.cache.keys import tenant_dir
+from appliance.cache.keys import DEFAULT_GROUP, tenant_dir
 from appliance.cache.kv import probe_layout
-from appliance.cache.model_cache import ModelCache
+from appliance.cache.model_cache import ModelCache, cache_group
 from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
@@ -206,12 +206,13 @@ class Appliance:
         self.store.flush(timeout_s=60)
         return self.store.ssd
 
-    def export_cache(self, model: str | None, path: Path) -> int:
-        """Writes the model's (default tenant's) SSD blocks to an archive; returns how many."""
+    def export_cache(self, model: str | None, path: Path, *, tenant: str = DEFAULT_GROUP) -> int:
+        """Writes one tenant's SSD blocks of the model (no salted groups) to an archive;
+        returns how many."""
         entry = self.resolve(model)
         if entry.engine is None or entry.engine.cache is None:
             raise ModelUnavailable(f"model {entry.spec.name} has no cache to export (state {entry.state})")
-        return self._ssd().export(tenant_dir(entry.engine.cache.weights), path)
+        return self._ssd().export(tenant_dir(entry.engine.cache.weights, cache_group(tenant)), path)
 
     def import_cache(self, path: Path) -> int:
         """Verifies and stores the blocks of an archive; returns how many were imported."""

@@ -112,6 +112,11 @@ class ServerSpec(Frozen):
         return secret_of(self.admin_key, self.admin_key_env)
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """The headers a local client (omlx cache, diff, status) sends to the admin API."""
+        return {"Authorization": f"Bearer {self.admin_secret}"} if self.admin_secret else {}
+
+    @property
     def open_to_the_network(self) -> bool:
         """True when a non-loopback bind serves without keys (allow_unauthenticated)."""
         return not is_loopback(self.host) and not (self.api_keys and self.admin_secret)

@@ -13,11 +13,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from appliance.cache.keys import DEFAULT_GROUP
 from appliance.config import ConfigError, restore_secrets, write_config
 from appliance.reconcile.watch import reconcile_now
 from appliance.server.errors import ApiError
 from appliance.server.json import JSONResponse
 from appliance.server.params import parse_body
+from appliance.spec import TENANT_PATTERN
 
 
 async def health(request: Request) -> Response:
@@ -92,13 +94,14 @@ class ArchiveParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(min_length=1)
     model: str | None = None
+    tenant: str = Field(DEFAULT_GROUP, pattern=TENANT_PATTERN)  # export: whose blocks
 
 
 async def export_cache(request: Request) -> Response:
     """Writes a model's SSD blocks to an archive at `path` on this machine."""
     params = parse_body(await request.body(), ArchiveParams)
     app = request.app.state.appliance
-    count = await archive_call(app.export_cache, params.model, Path(params.path))
+    count = await archive_call(lambda: app.export_cache(params.model, Path(params.path), tenant=params.tenant))
     return JSONResponse({"exported_blocks": count, "path": params.path})
 
 

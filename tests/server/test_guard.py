@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, REPO, Server, free_port, start_server, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +124,30 @@ def test_cache_files_are_the_service_users_alone(guarded: Server):
     assert stat.S_IMODE(kv.stat().st_mode) == 0o700
     files = [p for p in kv.rglob("*") if p.is_file()]
     assert files and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files)
+
+
+def test_export_takes_one_tenants_blocks(guarded: Server, tmp_path: Path):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    def export(tenant: str) -> int:
+        r = httpx.post(f"{guarded.url}/admin/api/cache/export", headers=admin, timeout=120,
+                       json={"path": str(tmp_path / f"{tenant}.tar"), "tenant": tenant})
+        assert r.status_code == 200, r.text
+        return r.json()["exported_blocks"]
+
+    assert export("team-a") > 0
+    assert export("default") == 0  # every request came with a key of another tenant
+    r = httpx.post(f"{guarded.url}/admin/api/cache/export", headers=admin,
+                   json={"path": str(tmp_path / "x.tar"), "tenant": "../team-a"})
+    assert r.status_code == 400
+
+
+def test_the_cli_sends_the_admin_key_from_the_config(guarded: Server):
+    done = subprocess.run([sys.executable, "-m", "appliance", "cache", "stats", "--config", str(guarded.config)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, KEY_B_ENV: KEY_B})
+    assert done.returncode == 0, done.stderr
+    assert "tiers" in json.loads(done.stdout)
 
 
 def test_limits_give_4xx_in_each_apis_shape(guarded: Server):
