@@ -157,8 +157,33 @@ def resolve_dtype(dtype: str) -> str | None:
     return "float32" if device_kind() == "cpu" else None
 
 
-def limit_device_memory(fraction: float = 0.9) -> None:
-    """Caps MLX's allocations on GPUs below the device's memory.
+def device_memory_bytes() -> int | None:
+    """Returns the GPU's memory as MLX reports it (Metal: `memory_size`; CUDA:
+    `total_memory`, the key MLX 0.32.4 uses there), else None."""
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:
+        return None
+    return int(info.get("memory_size") or info.get("total_memory") or 0) or None
+
+
+DEFAULT_MEMORY_FRACTION = 0.85  # of the device, when the spec sets no limit
+MAX_MEMORY_FRACTION = 0.95  # a larger limit from the spec is cut to this
+
+
+def memory_limit_bytes(device_bytes: int, limit_gb: float | None) -> int:
+    """Returns MLX's memory limit: `limit_gb` when set (at most 95% of the device), else
+    85% of the device; the headroom is for the CUDA context, cuDNN and other processes."""
+    if limit_gb is None:
+        return int(device_bytes * DEFAULT_MEMORY_FRACTION)
+    return min(int(limit_gb * 2**30), int(device_bytes * MAX_MEMORY_FRACTION))
+
+
+def limit_device_memory(limit_gb: float | None = None) -> int | None:
+    """Caps MLX's allocations on GPUs below the device's memory (`[server]
+    mlx_memory_limit_gb`, see `memory_limit_bytes`); returns the limit set, None on CPUs.
 
     MLX CUDA allocates managed memory; asking for more than the card has can hang the
     GPU itself, not only the process, so a limit is set before anything loads.
@@ -166,11 +191,14 @@ def limit_device_memory(fraction: float = 0.9) -> None:
     import mlx.core as mx
 
     if device_kind() != "gpu":
-        return
-    try:
-        size = int(mx.device_info().get("memory_size", 0))
-    except Exception:
-        return
-    if size:
-        mx.set_memory_limit(int(size * fraction))
-        log.info("MLX memory limit: %.1f GiB (%.0f%% of the device)", size * fraction / 2**30, fraction * 100)
+        return None
+    size = device_memory_bytes()
+    if not size:
+        return None
+    limit = memory_limit_bytes(size, limit_gb)
+    if limit_gb is not None and limit < limit_gb * 2**30:
+        log.warning("[server] mlx_memory_limit_gb = %s is more than %.0f%% of the device's %.1f GiB; "
+                    "using %.1f GiB", limit_gb, MAX_MEMORY_FRACTION * 100, size / 2**30, limit / 2**30)
+    mx.set_memory_limit(limit)
+    log.info("MLX memory limit: %.1f GiB (%.0f%% of the device)", limit / 2**30, 100 * limit / size)
+    return limit

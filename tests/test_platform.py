@@ -71,3 +71,15 @@ print(touched >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert touched == 256 and warm_faults < pages // 100
     touched, cold_faults = map(int, run_python(code.replace("sys.argv[1]", "0")).split())
     assert touched == 0 and cold_faults > 10 * max(warm_faults, 1)
+
+
+def test_the_mlx_memory_limit_leaves_headroom_by_default_and_caps_the_spec():
+    device = 141 * 10**9
+    assert platform.memory_limit_bytes(device, None) == int(device * 0.85)
+    assert platform.memory_limit_bytes(device, 100) == 100 * 2**30
+    assert platform.memory_limit_bytes(device, 500) == int(device * 0.95)  # never the whole card
+
+
+def test_no_memory_limit_is_set_on_a_cpu():
+    if platform.device_kind() == "cpu":
+        assert platform.limit_device_memory(10) is None

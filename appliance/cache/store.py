@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from appliance.cache.block import Block
@@ -185,11 +186,28 @@ class KVStore:
 
     def save(self, blocks: list[KVBlock], *, group: str) -> None:
         """Puts new blocks in memory and writes them through to the SSD behind the request."""
+        written = self._fitting_writer(blocks)
+        payloads = [to_payload(block) for block in written]
+        mx.eval([payload for _, payload in payloads])  # one wait for all the copies
         for block in blocks:
             self.put_memory(block, group)
-            if self.writer is not None:
-                meta, payload = to_payload(block)
-                self.writer.submit(Block(block.key, block.parent, group, block.tokens, meta, payload))
+        for block, (meta, payload) in zip(written, payloads):  # read out by the writer thread, not here
+            self.writer.submit(Block(block.key, block.parent, group, block.tokens, meta, memoryview(payload)))
+
+    def _fitting_writer(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        """Returns the first of `blocks` that the SSD writer's queue has room for; the rest
+        are counted as dropped without copying them (a copy costs the engine thread time:
+        64 ms for a 25K-token 8B prompt on an H200). They reach the SSD if evicted later."""
+        if self.writer is None:
+            return []
+        room, fitting = self.writer.room_bytes(), []
+        for block in blocks:
+            if block.nbytes > room:
+                break
+            fitting.append(block)
+            room -= block.nbytes
+        self.writer.count_dropped(len(blocks) - len(fitting))
+        return fitting
 
     def put_memory(self, block: KVBlock, group: str) -> None:
         for _, evicted in self.memory.put(block.key, StoredKV(block, group), block.nbytes):
@@ -198,8 +216,7 @@ class KVStore:
     def _demote(self, entry: StoredKV) -> None:
         meta, payload = to_payload(entry.block)
         b = entry.block
-        self._put_host(HostBlock(b.key, b.parent, entry.group, b.tokens, meta,
-                                 np.frombuffer(payload, dtype=np.uint8)))
+        self._put_host(HostBlock(b.key, b.parent, entry.group, b.tokens, meta, np.array(payload)))
 
     def _put_host(self, host: HostBlock) -> None:
         for _, evicted in self.host.put(host.key, host, host.nbytes):

@@ -49,6 +49,16 @@ class SsdWriter:
             self._cond.notify_all()
             return True
 
+    def room_bytes(self) -> int:
+        """Returns how many more payload bytes the queue takes now (0 once closed)."""
+        with self._cond:
+            return 0 if self._closed else max(self.max_pending_bytes - self._pending_bytes, 0)
+
+    def count_dropped(self, num_blocks: int) -> None:
+        """Counts blocks the caller did not submit because the queue had no room for them."""
+        with self._cond:
+            self._num["dropped"] += num_blocks
+
     def is_pending(self, key: bytes, *, group: str) -> bool:
         """Returns whether the block is queued or being written right now."""
         with self._cond:

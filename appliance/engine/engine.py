@@ -35,6 +35,8 @@ WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Say hello."})
 WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
 WARM_UP_TOKENS = 3
+GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
+GPU_WARM_UP_TOKENS = 32768  # the longest prompt the GPU warm-up prefills (8B, H200: ~2 s)
 
 
 class QueueFull(Exception):
@@ -221,6 +223,9 @@ class Engine:
             for sampling in WARM_UP_SAMPLING:
                 slot = Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), self.loaded)
                 self._run_alone(slot)
+            for n in self._gpu_warm_up_lengths():  # long prompts' prefill shapes compile too
+                long = (prompt * (n // len(prompt) + 1))[:n]
+                self._run_alone(Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), self.loaded))
         except Exception as e:
             log.exception("warm-up failed on model %s", self.loaded.name)
             self.warm_up_error = str(e)
@@ -232,6 +237,19 @@ class Engine:
         log.info("model %s warmed up in %.2f s", self.loaded.name, self.warm_up_s)
         self._warm.set()
         return True
+
+    def _gpu_warm_up_lengths(self) -> list[int]:
+        """Returns, on GPUs, prompt lengths whose prefill runs the shapes long prompts
+        meet: full chunks at every offset up to `GPU_WARM_UP_TOKENS` of context (MLX CUDA
+        builds attention per query and key length), then each padded last chunk's query
+        length. On an H200, one prompt's unseen shapes cost ~0.8 s of a 25K prompt's
+        first TTFT. None on CPUs."""
+        chunk = self.limits.prefill_chunk_tokens
+        if device_kind() != "gpu" or chunk < GPU_SHAPE_TOKENS:
+            return []
+        context = min(self.loaded.context_tokens, GPU_WARM_UP_TOKENS) - 1
+        full = max(context // chunk, 1) * chunk + 1
+        return [full, *(k * GPU_SHAPE_TOKENS + 1 for k in range(1, -(-chunk // GPU_SHAPE_TOKENS)))]
 
     def _run_alone(self, slot: Slot) -> None:
         """Generates `slot`'s request to its end on an idle batch, delivering nothing."""
@@ -278,7 +296,8 @@ class Engine:
 
     def _new_batch(self) -> Scheduler:
         return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
-                         step_s=self.limits.prefill_step_s, lookahead=device_kind() == "gpu")
+                         step_s=self.limits.prefill_step_s, lookahead=device_kind() == "gpu",
+                         shape_tokens=GPU_SHAPE_TOKENS if device_kind() == "gpu" else 1)
 
     def _admit(self) -> None:
         """Moves waiting requests into the batch, oldest first, once their prefetch is done."""
@@ -380,7 +399,7 @@ class Engine:
         # holding the generated tokens too.
         full = stats.prompt_tokens // self.cache.block_tokens * self.cache.block_tokens
         if full > stats.cached_tokens:
-            cache, tokens = self._batch.extract(slot.uid)
+            cache, tokens = self._batch.extract(slot.uid, copy=False)  # the save copies its blocks
             self._save(slot, cache, tokens[:full] if tokens else None)
 
     def _remove(self, slot: Slot) -> None:

@@ -33,8 +33,11 @@ from mlx_lm.generate import (
     StopSequences,
     generation_stream,
 )
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from appliance.cache.batch_cache import BatchCache, row_view
+from appliance.engine.call_budget import max_call_tokens, model_shape
+from appliance.engine.prefill import can_prefill, prefill
 from appliance.engine.sampling import GREEDY, Greedy
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
@@ -169,9 +172,12 @@ class Generated:
 
 class Scheduler:
     def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None,
-                 lookahead: bool = False):
+                 lookahead: bool = False, shape_tokens: int = 1):
         self.model = model
         self.chunk_tokens = chunk_tokens
+        # Lone prefill calls take multiples of this many tokens (the last one padded):
+        # MLX CUDA compiles kernels per shape, ~1 s for a new one on an H200.
+        self.shape_tokens = shape_tokens
         self.step_s = step_s  # None: chunks are sized by tokens only
         self._prefills: list[_Prefill] = []
         self._generation_class = LeanGeneration if lookahead else EagerGeneration
@@ -180,6 +186,7 @@ class Scheduler:
         self._budget_left = 0
         self._start_s_per_token: float | None = None  # measured when prompts were last started
         self._pass_s: float | None = None  # the fastest decode step yet: what one more model call costs
+        self._shape = model_shape(model)  # bounds each prefill call by free memory
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)
@@ -192,13 +199,17 @@ class Scheduler:
             raise ValueError("the prompt must keep at least one token to process")
         uid = self._next_uid
         self._next_uid += 1
+        caches = make_prompt_cache(self.model)
+        plain = all(type(c) is KVCache for c in caches)  # else mlx-lm's own batch caches
         batch = PromptProcessingBatch(
-            self.model, [uid], [make_prompt_cache(self.model)],
+            self.model, [uid], [[] if plain else caches],
             tokens=[list(cached_tokens)], prefill_step_size=self.chunk_tokens, samplers=[sampler],
             logits_processors=[processors], stop_sequences=[stop], max_tokens=[max_tokens],
         )
         if cache is not None:
             batch.prompt_cache = cache  # already merged: mlx-lm's merge would copy it again
+        elif plain:
+            batch.prompt_cache = [BatchCache([0]) for _ in caches]  # string masks while unpadded
         self._prefills.append(_Prefill(uid, batch, list(prompt)))
         return uid
 
@@ -234,7 +245,7 @@ class Scheduler:
             self._budget_left -= padded
             if padded:
                 started = time.perf_counter()
-                part.prompt(todo)
+                self._prompt(part, todo)
                 self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
             parts.append(part)
         batch = merged(parts)
@@ -251,12 +262,30 @@ class Scheduler:
             return
         p = min(pending, key=lambda p: p.todo)
         n = min(p.todo, self._budget_left, self._timed_chunk(p))
+        if n < p.todo:  # a cut chunk keeps to whole shapes; the prompt's last one is padded
+            n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
         with mx.stream(generation_stream):
             started = time.perf_counter()
-            p.batch.prompt([p.remaining[:n]])
+            self._prompt(p.batch, [p.remaining[:n]])
         p.s_per_token = self._measured(started, n, p.s_per_token)
         p.remaining = p.remaining[n:]
+
+    def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]]) -> None:
+        """Prefills `todo` (one token list per row of `batch`) into its cache: a lone
+        prompt by the plain chunked forward pass (`prefill`), a padded batch by mlx-lm."""
+        longest = max(len(t) for t in batch.tokens) + max(len(t) for t in todo)  # the context at the end
+        if len(todo) == 1 and can_prefill(batch):
+            cap = max_call_tokens(self._shape, context_tokens=longest)
+            chunk = min(self.chunk_tokens, cap or self.chunk_tokens)
+            if chunk < self.chunk_tokens:
+                chunk = max(self.shape_tokens, chunk // self.shape_tokens * self.shape_tokens)
+            prefill(batch, todo[0], chunk_tokens=chunk, shape_tokens=self.shape_tokens)
+        else:  # mlx-lm's padded batch: an array mask, so unfused attention (scores in memory)
+            cap = max_call_tokens(self._shape, context_tokens=longest, rows=len(todo), fused=False)
+            step = self.chunk_tokens if cap is None else cap // len(todo)
+            batch.prefill_step_size = max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, step))
+            batch.prompt(todo)
 
     @staticmethod
     def _measured(started: float, num_tokens: int, previous: float | None) -> float | None:
@@ -293,17 +322,24 @@ class Scheduler:
         return [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
                 for r in responses]
 
-    def extract(self, uid: int) -> tuple[list | None, list[int] | None]:
-        """Returns a copy of the request's KV and the tokens it holds."""
+    def extract(self, uid: int, *, copy: bool = True) -> tuple[list | None, list[int] | None]:
+        """Returns the request's KV and the tokens it holds: a copy, or with `copy=False`
+        views of the live buffers, for a caller that copies what it keeps at once."""
         for p in self._prefills:
             if p.uid == uid:
                 if not p.batch.tokens[0]:  # nothing computed yet: no KV to hand back
                     return None, None
-                return p.batch.extract_cache(0), list(p.batch.tokens[0])
+                return self._row(p.batch.prompt_cache, 0, copy), list(p.batch.tokens[0])
         if uid in self._generation.uids:
             i = self._generation.uids.index(uid)
-            return self._generation.extract_cache(i), list(self._generation.tokens[i])
+            return self._row(self._generation.prompt_cache, i, copy), list(self._generation.tokens[i])
         return None, None
+
+    @staticmethod
+    def _row(caches: list, i: int, copy: bool) -> list:
+        if copy or not all(isinstance(c, BatchKVCache) for c in caches):
+            return [c.extract(i) for c in caches]
+        return [row_view(c, i) for c in caches]
 
     def remove(self, uid: int, *, keep_cache: bool) -> tuple[list | None, list[int] | None]:
         """Takes the request out; returns its KV and tokens when `keep_cache`."""

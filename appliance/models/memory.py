@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from appliance.models.source import describe_source
+from appliance.platform import device_kind, device_memory_bytes
 from appliance.spec import ModelSpec
 
 # Weights grow when cast up (a bfloat16 or 4-bit checkpoint run in float32 on a CPU).
@@ -27,6 +28,19 @@ def available_bytes() -> int | None:
         return None
 
 
+def free_bytes() -> int | None:
+    """Returns what MLX may still allocate: on a GPU, its memory limit (set from the
+    device's memory, which on CUDA is not the host's) less what it holds; else the
+    memory the OS has available."""
+    if device_kind() == "gpu":
+        import mlx.core as mx
+
+        device = device_memory_bytes()
+        limit = min(mx.get_memory_limit() or device or 0, device or mx.get_memory_limit())
+        return max(limit - mx.get_active_memory(), 0) if limit else None
+    return available_bytes()
+
+
 def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:
     """Raises MemoryError when a local model's weights clearly cannot fit in free memory."""
     if describe_source(spec.source, base_dir) == "hf-repo":
@@ -37,7 +51,7 @@ def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:
     needed = sum(f.stat().st_size for f in files)
     if path.suffix == ".gguf":
         needed *= 8  # quantized GGUF weights expand to float32 (4-bit -> 32-bit)
-    free = available_bytes()
+    free = free_bytes()
     if free is not None and needed * HEADROOM > free:
         raise MemoryError(f"not enough memory for model {spec.name}: needs about "
                           f"{needed * HEADROOM / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")

@@ -5,6 +5,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from appliance.cache.keys import KVLayout, key_space
+from appliance.cache.batch_cache import BatchCache
 from appliance.cache.kv import (build_batch_cache, cut_blocks, from_payload, probe_layout,
                                 to_payload)
 
@@ -163,7 +164,7 @@ def test_build_batch_cache_concatenates_blocks_per_layer_with_room_to_grow():
     source = fake_cache(len(TOKENS))
     blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
     caches = build_batch_cache(blocks, len(TOKENS))
-    assert len(caches) == LAYERS and all(type(c) is BatchKVCache for c in caches)
+    assert len(caches) == LAYERS and all(type(c) is BatchCache and not c.padded for c in caches)
     for built, orig in zip(caches, source):
         assert built.offset.tolist() == [len(TOKENS)] and built.size() == len(TOKENS)
         assert built.keys.shape[2] % BatchKVCache.step == 0 and built.keys.shape[2] > len(TOKENS)

@@ -194,3 +194,14 @@ def test_a_row_that_reports_logprobs_gets_normalized_ones_beside_lean_rows(loade
     for token, logprobs in rows[1]:
         assert abs(mx.logsumexp(logprobs).item()) < 1e-4  # probabilities that sum to 1
         assert logprobs[token].item() == logprobs.max().item() <= 0
+
+
+def test_cut_chunks_keep_to_whole_shapes_and_the_last_one_is_padded(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=200, step_s=None, shape_tokens=64)
+    uid = insert(s, tokens(1000))
+    sizes = []
+    while uid not in s.step()[0]:
+        before = s._prefills[0].todo
+        s.advance()
+        sizes.append(before - s._prefills[0].todo)
+    assert sizes and all(n % 64 == 0 for n in sizes)  # 192 each: whole shapes under the 200 budget
