@@ -91,6 +91,9 @@ class ServerSpec(Frozen):
     api_keys: tuple[ApiKeySpec, ...] = ()
     # A non-loopback host without keys is refused unless this says so explicitly.
     allow_unauthenticated: bool = False
+    # GPUs only: the most memory MLX may allocate, in GiB. None: 85% of the device's
+    # memory (MLX CUDA's managed memory can hang the card when oversubscribed).
+    mlx_memory_limit_gb: float | None = Field(None, gt=0)
 
 
     @model_validator(mode="after")

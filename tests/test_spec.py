@@ -88,6 +88,8 @@ def test_good_model_names(name):
         ("server", "port", 0),
         ("server", "port", 65536),
         ("server", "drain_timeout_s", -1),
+        ("server", "mlx_memory_limit_gb", 0),
+        ("server", "mlx_memory_limit_gb", "lots"),
         ("cache", "memory_gb", -0.5),
         ("cache", "block_tokens", 8),
         ("cache", "block_tokens", "big"),
@@ -190,6 +192,11 @@ def test_hash_is_stable_and_tracks_every_key():
     hashes = {s.hash for s in changed}
     assert base.hash not in hashes
     assert len(hashes) == len(changed)
+
+
+def test_the_mlx_memory_limit_is_unset_by_default_and_takes_gib():
+    assert Spec(models=ONE_MODEL).server.mlx_memory_limit_gb is None
+    assert Spec(models=ONE_MODEL, server={"mlx_memory_limit_gb": 100}).server.mlx_memory_limit_gb == 100.0
 
 
 # --- keys and limits ([server] auth, [limits]) -------------------------------------------------

@@ -65,8 +65,8 @@ def serve(config: LoadedConfig) -> int:
     # The cache holds other people's prompts: everything omlx creates is this user's alone.
     os.umask(0o077)
     warn_if_open(config.spec.server)
-    platform.limit_device_memory()
     spec = config.spec
+    platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
     appliance = Appliance(config)
     server = Server(uvicorn.Config(
         build_app(appliance, rebind=lambda host, port: server.rebind(host, port)),
