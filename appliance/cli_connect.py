@@ -1,7 +1,8 @@
 """`omlx connect claude|codex`: prints how to point a coding agent at this config's server.
 
 Claude Code reads environment variables (printed as `export` lines, for `eval`); Codex reads
-a model provider and a profile from `~/.codex/config.toml` (printed as TOML to add there).
+a profile file, `~/.codex/omlx.config.toml`, layered over its config by `--profile omlx`
+(printed as TOML: a model provider on the Responses API and the model).
 """
 
 from __future__ import annotations
@@ -68,18 +69,21 @@ def claude_settings(spec: Spec, model: str) -> str:
 
 
 def codex_settings(spec: Spec, model: str) -> str:
-    """Returns the TOML to add to ~/.codex/config.toml: an omlx provider and profile."""
+    """Returns Codex's profile file: the model and an omlx provider on the Responses API.
+
+    Codex 0.134 and later read profiles from `<name>.config.toml` files, no longer from
+    `[profiles.<name>]` tables in config.toml (0.169 refuses to start with one).
+    """
     url = base_url(spec.server.host, spec.server.port)
     context = spec.model(model).max_context_tokens
     window = f"model_context_window = {context}\n" if context else ""
     return f"""# Codex -> omlx at {url}, model {model}.
-# Add to ~/.codex/config.toml, then run `codex --profile omlx` (or `codex exec --profile omlx ...`).
+# Save as ~/.codex/omlx.config.toml, then run `codex --profile omlx` (or `codex exec --profile omlx ...`).
+model = "{model}"
+model_provider = "omlx"
+{window}
 [model_providers.omlx]
 name = "omlx"
 base_url = "{url}/v1"
 wire_api = "responses"
-
-[profiles.omlx]
-model = "{model}"
-model_provider = "omlx"
-{window}"""
+"""

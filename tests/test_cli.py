@@ -139,7 +139,7 @@ def test_connect_claude_prints_exports_for_the_default_model(tmp_path):
     assert shell.stdout.strip() == "small http://127.0.0.1:8123"
 
 
-def test_connect_codex_prints_a_responses_provider_and_profile(tmp_path):
+def test_connect_codex_prints_a_profile_file_with_a_responses_provider(tmp_path):
     path = tmp_path / "omlx.toml"
     path.write_text(TWO_MODELS)
     result = connect(path, "codex")
@@ -147,7 +147,8 @@ def test_connect_codex_prints_a_responses_provider_and_profile(tmp_path):
     data = tomllib.loads(result.stdout)
     assert data["model_providers"]["omlx"] == {"name": "omlx", "base_url": "http://127.0.0.1:8123/v1",
                                                "wire_api": "responses"}
-    assert data["profiles"]["omlx"] == {"model": "big", "model_provider": "omlx", "model_context_window": 16384}
+    assert (data["model"], data["model_provider"], data["model_context_window"]) == ("big", "omlx", 16384)
+    assert "~/.codex/omlx.config.toml" in result.stdout
 
 
 def test_connect_reaches_a_server_listening_everywhere_locally():
