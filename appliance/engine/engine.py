@@ -36,7 +36,6 @@ WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
 WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
 WARM_UP_TOKENS = 3
 GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
-GPU_WARM_UP_TOKENS = 32768  # the longest prompt the GPU warm-up prefills (8B, H200: ~2 s)
 
 
 class QueueFull(Exception):
@@ -239,17 +238,15 @@ class Engine:
         return True
 
     def _gpu_warm_up_lengths(self) -> list[int]:
-        """Returns, on GPUs, prompt lengths whose prefill runs the shapes long prompts
-        meet: full chunks at every offset up to `GPU_WARM_UP_TOKENS` of context (MLX CUDA
-        builds attention per query and key length), then each padded last chunk's query
-        length. On an H200, one prompt's unseen shapes cost ~0.8 s of a 25K prompt's
-        first TTFT. None on CPUs."""
+        """Returns, on GPUs, the length of one prompt of two full prefill chunks (MLX
+        CUDA compiles kernels per shape; a chat prompt has none of that size); none on
+        CPUs. Longer warm-ups did not pay on an H200: one over every chunk offset to 32K
+        and each padded chunk size took 11 s and left the first 25K TTFT as it was
+        (BENCHMARKS.md, "GPU")."""
         chunk = self.limits.prefill_chunk_tokens
-        if device_kind() != "gpu" or chunk < GPU_SHAPE_TOKENS:
+        if device_kind() != "gpu":
             return []
-        context = min(self.loaded.context_tokens, GPU_WARM_UP_TOKENS) - 1
-        full = max(context // chunk, 1) * chunk + 1
-        return [full, *(k * GPU_SHAPE_TOKENS + 1 for k in range(1, -(-chunk // GPU_SHAPE_TOKENS)))]
+        return [min(2 * chunk, self.loaded.context_tokens - 1) + 1]
 
     def _run_alone(self, slot: Slot) -> None:
         """Generates `slot`'s request to its end on an idle batch, delivering nothing."""
