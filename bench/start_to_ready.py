@@ -1,0 +1,104 @@
+"""Start to ready, then one long chat cold, again (a memory-tier hit), and another of a
+new length cold, over HTTP.
+
+Starts `omlx serve` on a model directory with a profile, times `GET /health` = 200 from
+the process start, reads the model's load time from the server log, then streams the
+chats and prints TTFT and decode ms/token of each.
+
+    python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
+
+MODEL_DIR holds config.json, safetensors and tokenizer.json (bench/gpu_model.py writes one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import HOST, ServerProcess, client, free_port, get_json, stream_chat  # noqa: E402
+
+
+def long_text(model_dir: Path, num_tokens: int, seed: int) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(seed)
+    return tok.decode([rng.randrange(100, 40000) for _ in range(num_tokens)])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--tokens", type=int, default=25000)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="omlx-ready-"))
+    port = free_port()
+    profile = f'profile = "{args.profile}"\n' if args.profile else ""
+    config = work / "omlx.toml"
+    config.write_text(f"""{profile}
+[server]
+host = "{HOST}"
+port = {port}
+drain_timeout_s = 2
+
+[[models]]
+name = "bench"
+source = "{args.model_dir.resolve()}"
+default = true
+
+[cache]
+dir = "{work / 'cache'}"
+""")
+    log_path = (args.out.parent if args.out else work) / "omlx_server.log"
+    server = ServerProcess("omlx", [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
+                           port, log_path)
+    started = time.perf_counter()
+    results: dict = {"tokens": args.tokens, "profile": args.profile}
+    with server.start(ready_timeout_s=600):
+        results["start_to_ready_s"] = round(time.perf_counter() - started, 2)
+        text = log_path.read_text(errors="replace")
+        load = re.search(r"loaded from .* in ([0-9.]+) s", text)
+        results["model_load_s"] = float(load.group(1)) if load else None
+        results["log_lines"] = [line for line in text.splitlines()
+                                if re.search(r"loaded|warm|ready|limit|memory", line, re.I)][:20]
+        print(json.dumps(results, indent=1), flush=True)
+        first = [{"role": "user", "content": long_text(args.model_dir, args.tokens, seed=1)}]
+        other = [{"role": "user", "content": long_text(args.model_dir, args.tokens * 4 // 5, seed=2)}]
+
+        async def go():
+            async with client() as http:
+                runs = []
+                for label, messages in (("cold", first), ("memory_hit", first), ("cold_other_length", other)):
+                    t = await stream_chat(http, server.url, messages, max_tokens=args.max_tokens)
+                    decode = ((t.total_s - t.ttft_s) / (t.completion_tokens - 1) * 1000
+                              if t.ok and t.completion_tokens and t.completion_tokens > 1 else None)
+                    runs.append({"label": label, "ttft_s": t.ttft_s, "decode_ms": decode,
+                                 "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                                 "completion_tokens": t.completion_tokens, "error": t.error})
+                    print(json.dumps(runs[-1]), flush=True)
+                return runs
+
+        results["requests"] = asyncio.run(go())
+        # The server's own view of each request (queue, TTFT from submit, prefill rate).
+        status = get_json(server.url, "/admin/api/status")
+        results["server_side"] = [m.get("recent_requests") for m in status.get("models", [])]
+        print(json.dumps(results["server_side"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
