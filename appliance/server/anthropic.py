@@ -8,6 +8,7 @@ and ignored, never refused: agents send them on every request.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,7 +28,9 @@ from appliance.server.errors import ApiError, bad_request
 from appliance.server.json import JSONResponse, sse_typed
 from appliance.server.openai import appliance_of
 from appliance.server.params import Lenient, parse_body
-from appliance.server.turns import PromptTooLong, TurnRun, prepare_turn, submit_turn
+from appliance.server.turns import (
+    HEARTBEAT_S, KEEPALIVE_S, PromptTooLong, TurnRun, prepare_turn, submit_turn, with_heartbeat,
+)
 
 # Claude Code's first system block: it changes on every request (cch=...), so rendered
 # into the prompt it would end every cached prefix a few tokens in.
@@ -290,15 +293,22 @@ async def messages(request: Request) -> Response:
 
 
 async def stream(writer: MessageWriter) -> AsyncIterator[bytes]:
-    """Yields the SSE events of one answer. message_start waits for the first event, by when
-    the cache lookup is done and `input_tokens` is known."""
-    run, started = writer.run, False
-    async for event in run.events():
-        if not started:
+    """Yields the SSE events of one answer. message_start waits for the request's admission,
+    when the cache lookup is done and `input_tokens` is known; pings keep a long prefill's
+    stream alive."""
+    run, started, said_at = writer.run, False, time.monotonic()
+    async for event in with_heartbeat(run.events(), HEARTBEAT_S):
+        out = []
+        if not started and (event is not None or run.stats.admitted_at is not None):
             started = True
-            for data in writer.start():
-                yield sse_typed(data)
-        for data in writer.on(event):
+            out += writer.start()
+        if event is not None:
+            out += writer.on(event)
+        elif started and time.monotonic() - said_at >= KEEPALIVE_S:
+            out.append({"type": "ping"})
+        if out:
+            said_at = time.monotonic()
+        for data in out:
             yield sse_typed(data)
     if run.failed is not None:
         yield sse_typed(run.failed.to_anthropic_data())

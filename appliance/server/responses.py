@@ -30,7 +30,7 @@ from appliance.server.errors import ApiError, bad_request
 from appliance.server.json import JSONResponse, sse_typed
 from appliance.server.openai import appliance_of
 from appliance.server.params import Lenient, parse_body
-from appliance.server.turns import PromptTooLong, TurnRun, submit_turn
+from appliance.server.turns import KEEPALIVE_S, PromptTooLong, TurnRun, submit_turn, with_heartbeat
 
 
 class ResponsesParams(Lenient):
@@ -351,11 +351,11 @@ async def create_response(request: Request) -> Response:
                           "send the whole conversation in `input`", param="previous_response_id")
     engine = await appliance_of(request).engine(params.model)
     functions = Functions(params.tools)
-    # No max_output_tokens: as upstream, the answer may fill the context. Codex sends none,
-    # and it takes an answer cut off by a limit it never set (`incomplete`) for a failure.
-    max_tokens = params.max_output_tokens or engine.loaded.context_tokens
     try:
-        run = submit_turn(engine, turn_of(params, functions), max_tokens=max_tokens, sampling=params.sampling())
+        # No max_output_tokens: as upstream, the answer may fill the context. Codex sends none,
+        # and it takes an answer cut off by a limit it never set (`incomplete`) for a failure.
+        run = submit_turn(engine, turn_of(params, functions), max_tokens=params.max_output_tokens,
+                          sampling=params.sampling(), fill_context=True)
     except PromptTooLong as e:
         raise too_long(e) from None
     writer = ResponseWriter(params, engine.loaded.name, run, functions)
@@ -375,8 +375,12 @@ async def stream(writer: ResponseWriter) -> AsyncIterator[bytes]:
     for data in writer.start():
         yield sse_typed(data)
     run = writer.run
-    async for event in run.events():
-        for data in writer.on(event):
+    async for event in with_heartbeat(run.events(), KEEPALIVE_S):
+        if event is None:  # a long prefill: say the response is still in progress
+            out = [writer.event("response.in_progress", response=writer.response("in_progress"))]
+        else:
+            out = writer.on(event)
+        for data in out:
             yield sse_typed(data)
     closing = writer.failed(run.failed) if run.failed is not None else writer.finish()
     for data in closing:

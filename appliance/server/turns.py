@@ -9,6 +9,7 @@ Each API keeps only its wire shapes: it converts its body into a `Turn`, calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -47,9 +48,11 @@ def prepare_turn(loaded: LoadedModel, turn: Turn) -> Prepared:
 
 
 def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling: SamplingParams,
-                stop: tuple[str, ...] = (), cache_salt: str | None = None) -> TurnRun:
-    """Returns the running turn. `max_tokens` above the room the context leaves is clamped
-    (None: the model's default); raises PromptTooLong when no room is left."""
+                stop: tuple[str, ...] = (), cache_salt: str | None = None,
+                fill_context: bool = False) -> TurnRun:
+    """Returns the running turn. `max_tokens` above the room the context leaves is clamped;
+    None means the model's default_max_tokens, or all the room left with `fill_context`.
+    Raises PromptTooLong when no room is left."""
     loaded = engine.loaded
     prepared = prepare_turn(loaded, turn)
     prompt = prepared.prompt_tokens
@@ -58,15 +61,47 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
     check_tokens(prompt_tokens=len(prompt), max_tokens=max_tokens, param="messages")
     if len(prompt) >= loaded.context_tokens:
         raise PromptTooLong(len(prompt), loaded.context_tokens)
+    room = loaded.context_tokens - len(prompt)
+    default = room if fill_context else loaded.spec.default_max_tokens
     request = GenerationRequest(
         prompt_tokens=tuple(prompt),
-        max_tokens=min(max_tokens or loaded.spec.default_max_tokens, loaded.context_tokens - len(prompt)),
+        max_tokens=min(max_tokens or default, room),
         sampling=sampling,
         stop=tuple(s for s in stop if s),
         cache_group=tenant_group(cache_salt),
         constraint=prepared.constraint,
     )
     return TurnRun(loaded=loaded, request=request, handle=engine.submit(request), parser=prepared.parser())
+
+
+# A silent stream looks at its request this often, and says something at least this often.
+HEARTBEAT_S = 0.25
+KEEPALIVE_S = 10.0
+
+
+async def with_heartbeat(events: AsyncIterator[Event], every_s: float) -> AsyncIterator[Event | None]:
+    """Yields the events, and None each time `every_s` passes without one: a long prefill
+    sends nothing for minutes, and clients and proxies drop streams that stay silent."""
+    it = aiter(events)
+    pending = asyncio.ensure_future(anext(it))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(it))
+    finally:
+        # Cancelling the pending step closes the events generator (which cancels the turn).
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await pending
+        await it.aclose()
 
 
 @dataclass
