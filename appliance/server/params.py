@@ -158,6 +158,7 @@ class ChatParams(CommonParams):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None  # "none": thinking off; other values keep the template's default
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -179,7 +180,8 @@ class ChatParams(CommonParams):
                                      t.function.parameters or {"type": "object", "properties": {}})
                                 for t in self.tools or ()),
                     tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-                    output_format=self.response_format.output_format() if self.response_format else TEXT)
+                    output_format=self.response_format.output_format() if self.response_format else TEXT,
+                    thinking=False if self.reasoning_effort == "none" else None)
 
     def _tool_choice(self) -> str:
         choice = self.tool_choice
