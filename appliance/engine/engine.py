@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,7 @@ class Engine:
         self._prefetcher = prefetcher
         self.prefill_tok_s: float | None = None  # measured, for restore-or-recompute
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
+        self.on_finished: Callable[[RequestStats], None] | None = None  # metrics, on this thread
         self._cond = threading.Condition()
         self._commands = _Commands()
         self._num_live = 0  # submitted and not yet finished
@@ -421,6 +423,8 @@ class Engine:
         stats.finished_at = time.perf_counter()
         stats.finish_reason = reason
         self.recent.append(stats)
+        if self.on_finished is not None:
+            self.on_finished(stats)
         with self._cond:
             self._num_live -= 1
             self._cond.notify_all()

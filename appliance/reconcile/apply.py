@@ -70,6 +70,7 @@ class Reconciler:
         self._lock = asyncio.Lock()
         self._store: Any = None  # the KV store models loaded by the current apply use
         self.applies = 0
+        self.failures = 0  # applies undone and files rejected (for /metrics)
 
     async def apply(self, desired: LoadedConfig) -> Outcome:
         """Applies `desired`; returns what happened (an unchanged spec is a no-op)."""
@@ -87,6 +88,7 @@ class Reconciler:
                 for step in reversed(done):
                     await _call(step.undo)
                 app.last_error = error_record(str(e), path=e.path, file=desired.path)
+                self.failures += 1
                 log.error("config not applied, the previous one keeps serving: %s", e)
                 return Outcome(False, app.spec.hash, tuple(a.describe() for a in actions), app.last_error,
                                time.perf_counter() - started)
@@ -104,6 +106,7 @@ class Reconciler:
     def reject(self, error: ConfigError) -> None:
         """Records an invalid file: nothing changes, the error shows in the status."""
         first = error.issues[0] if error.issues else None
+        self.failures += 1
         self.appliance.last_error = error_record(str(error), path=first.path if first and first.path else None,
                                                  file=error.file)
         log.error("config file invalid, the previous config keeps serving:\n%s", error)

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from appliance.reconcile.apply import Reconciler
 from appliance.reconcile.watch import watch
 from appliance.runtime import Appliance
-from appliance.server import admin, anthropic, openai, responses
+from appliance.server import admin, anthropic, config_edits, dashboard, metrics, openai, responses
 from appliance.server.errors import EXCEPTION_HANDLERS
 from appliance.server.guard import Guard
 
@@ -27,6 +27,8 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
     change of the config is then reconciled live.
     """
     reconciler = Reconciler(appliance, rebind=rebind)
+    counters = metrics.Metrics(appliance, reconciler)
+    appliance.on_request_finished = counters.observe
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -42,13 +44,16 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
 
     api = [*openai.ROUTES, *anthropic.ROUTES, *responses.ROUTES]
     app = Starlette(
-        routes=[*api, *aliases(api), *admin.ROUTES],
+        routes=[*api, *aliases(api), *admin.ROUTES, *config_edits.ROUTES, *metrics.ROUTES,
+                *dashboard.ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[Middleware(Guard)],  # keys, tenants, limits: before any route
+        # Counted first, so refused requests count too; then keys, tenants, limits.
+        middleware=[Middleware(metrics.CountRequests), Middleware(Guard)],
         lifespan=lifespan,
     )
     app.state.appliance = appliance
     app.state.reconciler = reconciler
+    app.state.metrics = counters
     return app
 
 
