@@ -481,13 +481,13 @@ class QwenCoder(ToolFormat):
 
     def grammar(self, tools: tuple[Tool, ...], *, parallel: bool, token_of: TokenOf) -> str:
         alts = []
-        for t in tools:
-            params = " ".join(f'("<parameter={k}>\\n" VALUE "\\n</parameter>\\n")?'
-                              for k in schema(t).get("properties", {}))
-            alts.append(f'"<function={t.name}>\\n" {params} "</function>"'.replace("  ", " "))
+        for t in tools:  # each parameter at most once, in the schema's order
+            items = [f'"<function={t.name}>\\n"']
+            items += [f'("<parameter={k}>\\n" VALUE "</parameter>\\n")?' for k in schema(t).get("properties", {})]
+            alts.append(" ".join(items + ['"</function>"']))
         call = f'{literal("<tool_call>", token_of)} "\\n" ({" | ".join(alts)}) "\\n" {literal("</tool_call>", token_of)}'
         return (f'start: {repeated("call", NEWLINE, parallel)}\ncall: {call}\n'
-                f"VALUE: /[^<]+/\n")
+                "VALUE: /[^<]+/\n")  # its last newline is the one before </parameter>
 
 
 def tool_format(template: str | None) -> ToolFormat:
