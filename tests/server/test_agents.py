@@ -1,0 +1,90 @@
+"""The real coding agents against omlx with the default model: Claude Code (`claude -p`),
+installed from npm into the checkout's ignored .cache/, set up with what `omlx connect`
+prints, run twice; the second run reads its prompt from the cache, as the agent itself
+reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import REPO, Server, free_port, start_server, write_config
+
+pytestmark = pytest.mark.slow
+
+AGENTS_DIR = REPO / ".cache" / "agents"  # installed once, reused by later runs
+PACKAGES = ["@anthropic-ai/claude-code@2.1.328", "@openai/codex@0.169.0"]
+MODULES = AGENTS_DIR / "node_modules"
+CONTEXT_TOKENS = 16384  # Codex's first prompt is ~8,900 tokens: past the trained 8,192
+AGENT_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Agents:
+    claude: list[str]
+    codex: list[str]
+
+
+@pytest.fixture(scope="module")
+def agents() -> Agents:
+    """The two CLIs, installed from npm on the first run."""
+    claude = MODULES / "@anthropic-ai" / "claude-code" / "cli-wrapper.cjs"  # finds the platform binary
+    codex = MODULES / ".bin" / "codex"
+    if not (claude.exists() and codex.exists()):
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(AGENTS_DIR), *PACKAGES],
+                       check=True, timeout=900, capture_output=True)
+    return Agents(claude=["node", str(claude)], codex=[str(codex)])
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("agents")
+    port = free_port()
+    config = write_config(root / "omlx.toml", port=port, model_extra="allow_beyond_trained_context = true")
+    config.write_text(config.read_text().replace("max_context_tokens = 2048",
+                                                 f"max_context_tokens = {CONTEXT_TOKENS}"))
+    srv = start_server(config, port, root / "server.log")
+    yield srv
+    srv.stop()
+
+
+def connect(server: Server, agent: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "appliance", "connect", agent, "--config", str(server.config)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    return result.stdout
+
+
+def run(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=AGENT_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_claude_code_runs_twice_and_reads_its_prompt_from_the_cache(agents: Agents, agent_server: Server,
+                                                                   tmp_path: Path):
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in connect(agent_server, "claude").splitlines()
+                   if line.startswith("export "))
+    env = {**os.environ, **exports, "HOME": str(tmp_path / "home"), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "2048"}
+    # Claude Code's own request (billing header, betas, thinking, context_management, its
+    # stream handling) with a short system prompt and no tools: its full 12.8K-token first
+    # prompt takes this 2-core CPU most of ten minutes to prefill cold.
+    cmd = [*agents.claude, "-p", "What is the capital of France?", "--output-format", "json", "--max-turns", "1",
+           "--tools", "", "--system-prompt", "You are a helpful assistant. Answer in one sentence."]
+    runs = []
+    for _ in range(2):
+        result = run(cmd, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr + result.stdout
+        runs.append(json.loads(result.stdout))
+    for data in runs:
+        assert data["type"] == "result" and data["is_error"] is False and data["result"]
+        assert data["modelUsage"].keys() == {"smollm2-135m"}
+    usage = runs[1]["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert usage["cache_read_input_tokens"] >= prompt - 1  # all of it but the last token
+
