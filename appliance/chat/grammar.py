@@ -50,7 +50,7 @@ def grammar_tokenizer(loaded: LoadedModel) -> LLTokenizer:
 
 def special_token(loaded: LoadedModel, text: str) -> int | None:
     """Returns the id of the special token spelled `text`, or None."""
-    token = loaded.tokenizer.get_vocab().get(text)
+    token = loaded.tokenizer.backend_tokenizer.token_to_id(text)  # None when not one token
     if token is None or not grammar_tokenizer(loaded).is_special_token(token):
         return None
     return token
