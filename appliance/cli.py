@@ -1,4 +1,5 @@
-"""The `omlx` command: `check` validates a config, `serve` runs the appliance."""
+"""The `omlx` command: `check` validates a config, `serve` runs the appliance, `status`,
+`service` and `menubar` watch and run it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from appliance import cli_cache, cli_connect
+from appliance import cli_cache, cli_connect, cli_status, service
 from appliance.config import ConfigError, dump_toml, load_spec
 
 DEFAULT_CONFIG = "omlx.toml"
@@ -36,6 +37,12 @@ def parser() -> argparse.ArgumentParser:
 
     cli_cache.add_parser(sub, print_errors)
     cli_connect.add_parser(sub, print_errors)
+    cli_status.add_parser(sub, print_errors)
+    service.add_parser(sub, print_errors)
+
+    menubar = sub.add_parser("menubar", help="a macOS menu-bar client of the config's server (the menubar extra)")
+    menubar.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
+    menubar.set_defaults(run=run_menubar)
     return p
 
 
@@ -93,6 +100,23 @@ def run_diff(args: argparse.Namespace) -> int:
     if not actions:
         print("  (no changes)")
     return 0
+
+
+def run_menubar(args: argparse.Namespace) -> int:
+    if sys.platform != "darwin":
+        print("omlx menubar: the menu bar is macOS only; use `omlx status` or the dashboard at /", file=sys.stderr)
+        return 1
+    try:
+        loaded = load_spec(args.config)
+    except ConfigError as e:
+        print_errors(e, args.config)
+        return 1
+    try:
+        from appliance.menubar import app
+    except ImportError:
+        print("omlx menubar: rumps is missing; install the extra: pip install 'omlx[menubar]'", file=sys.stderr)
+        return 1
+    return app.run(loaded)
 
 
 def print_errors(error: ConfigError, config: str | Path) -> None:

@@ -40,12 +40,22 @@ def base_distributions() -> set[str]:
     return {normalized(r) for r in [*project["dependencies"], *extras.get("cpu", []), *extras.get("cuda", [])]}
 
 
+def menubar_extra() -> set[str]:
+    """Returns the menubar extra's distributions (rumps: macOS only, imported only by
+    appliance/menubar/app.py, which `omlx menubar` loads behind an ImportError check)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {normalized(r) for r in project["optional-dependencies"].get("menubar", [])}
+
+
 def test_appliance_imports_only_runtime_dependencies():
     dists_of = packages_distributions()
     base = base_distributions()
     missing = {}
     for module, files in imported_modules().items():
         if module == "appliance" or module in sys.stdlib_module_names:
+            continue
+        if normalized(module) in menubar_extra():
+            assert files == {"appliance/menubar/app.py"}, f"{module} is imported outside the menu bar: {files}"
             continue
         dists = {normalized(d) for d in dists_of.get(module, [])}
         if not dists & base:
