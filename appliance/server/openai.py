@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.chat.grammar import grammar_tokenizer
 from appliance.chat.prepare import PrepareError, prepare
 from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest
@@ -43,8 +44,12 @@ async def chat_completions(request: Request) -> Response:
     engine = await appliance_of(request).engine(params.model)
     loaded = engine.loaded
     turn = params.turn()
-    try:  # in a thread: a first grammar builds the tokenizer's index (about a second)
-        prepared = await asyncio.to_thread(prepare, loaded, turn)
+    if turn.tools or turn.output_format.kind != "text":
+        # A grammar may be needed: the model's first builds llguidance's view of the
+        # tokenizer (about a second), off the event loop.
+        await asyncio.to_thread(grammar_tokenizer, loaded)
+    try:
+        prepared = prepare(loaded, turn)
     except PrepareError as e:  # a template that rejects the conversation, a schema that won't compile
         raise ApiError(400, str(e), param=e.param) from None
     top = (params.top_logprobs or 0) if params.logprobs else None
