@@ -112,6 +112,8 @@ def test_page_loads_and_shows_the_models(page, two_models: Server):
     # Keyboard: "3" opens the cache tab, whose tier table fills from the admin API.
     page.keyboard.press("3")
     page.locator("#tier-table tbody tr").filter(has_text="ssd").wait_for()
+    memory = page.locator("#tier-table tbody tr").filter(has_text="memory")
+    assert memory.locator("td").nth(5).inner_text().endswith("%")  # prompt tokens restored from it
     assert page.locator("#cache").is_visible() and not page.locator("#overview").is_visible()
     print(f"screenshot: {shot(page, 'cache')}")
 

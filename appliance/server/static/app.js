@@ -245,6 +245,8 @@ async function refreshCache() {
     cell(tr, bar);
     cell(tr, t.blocks ?? "–");
     cell(tr, t.hits ?? "–");
+    const restored = last && last.prompt_tokens ? (last.cached_tokens_by_tier[name] || 0) / last.prompt_tokens : null;
+    cell(tr, restored === null ? "–" : (100 * restored).toFixed(1) + "%");
     cell(tr, t.evictions ?? "–");
     cell(tr, num(t.restore_gbps));
   });
