@@ -48,12 +48,18 @@ def base_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def api_key(spec: Spec) -> str | None:
+    keys = spec.server.api_keys
+    return keys[0].secret if keys else None
+
+
 def claude_settings(spec: Spec, model: str) -> str:
     """Returns `export` lines for Claude Code: every model tier is the omlx model."""
     url = base_url(spec.server.host, spec.server.port)
     env = {
         "ANTHROPIC_BASE_URL": url,  # Claude Code appends /v1/messages
-        "ANTHROPIC_AUTH_TOKEN": "omlx",  # omlx has no auth yet; Claude Code needs some token
+        # The config's first API key; without keys omlx takes any token, and Claude Code needs one.
+        "ANTHROPIC_AUTH_TOKEN": api_key(spec) or "omlx",
         "ANTHROPIC_MODEL": model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
@@ -77,8 +83,11 @@ def codex_settings(spec: Spec, model: str) -> str:
     url = base_url(spec.server.host, spec.server.port)
     context = spec.model(model).max_context_tokens
     window = f"model_context_window = {context}\n" if context else ""
+    # The key stays out of the file: Codex reads it from the variable env_key names.
+    key = f'env_key = "{CODEX_KEY_ENV}"\n' if spec.server.api_keys else ""
+    note = f"\n# Set {CODEX_KEY_ENV} to one of the server's API keys." if key else ""
     return f"""# Codex -> omlx at {url}, model {model}.
-# Save as ~/.codex/omlx.config.toml, then run `codex --profile omlx` (or `codex exec --profile omlx ...`).
+# Save as ~/.codex/omlx.config.toml, then run `codex --profile omlx` (or `codex exec --profile omlx ...`).{note}
 model = "{model}"
 model_provider = "omlx"
 {window}
@@ -86,4 +95,7 @@ model_provider = "omlx"
 name = "omlx"
 base_url = "{url}/v1"
 wire_api = "responses"
-"""
+{key}"""
+
+
+CODEX_KEY_ENV = "OMLX_API_KEY"

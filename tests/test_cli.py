@@ -158,6 +158,19 @@ def test_connect_reaches_a_server_listening_everywhere_locally():
     assert base_url("omlx.local", 8000) == "http://omlx.local:8000"
 
 
+def test_connect_hands_the_agents_an_api_key(tmp_path):
+    path = tmp_path / "omlx.toml"
+    path.write_text('[server]\nport = 8123\n\n[[server.api_keys]]\nkey = "sk-first-0123456789abcdef"\n\n'
+                    '[[server.api_keys]]\nkey = "sk-second-0123456789abcdef"\ntenant = "other"\n' + ONE_MODEL)
+    claude = connect(path, "claude")
+    assert claude.returncode == 0, claude.stderr
+    assert "export ANTHROPIC_AUTH_TOKEN=sk-first-0123456789abcdef\n" in claude.stdout
+    codex = connect(path, "codex")
+    assert codex.returncode == 0, codex.stderr
+    assert tomllib.loads(codex.stdout)["model_providers"]["omlx"]["env_key"] == "OMLX_API_KEY"
+    assert "sk-" not in codex.stdout  # a file to save: the key stays in the environment
+
+
 def test_connect_names_an_unknown_model(tmp_path):
     path = tmp_path / "omlx.toml"
     path.write_text(TWO_MODELS)
