@@ -79,13 +79,23 @@ class TaggedJsonCalls(OutputParser):
         self._buf = ""
         self._call: JsonCall | None = None
         self._index = 0
+        self._opened = False  # after a start tag, before the object's brace
         self._closing = False  # after a call's object, before its end tag
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         events: list[Event] = []
         while self._buf:
-            if self._call is not None:
+            if self._opened:
+                rest = self._buf.lstrip()
+                if not rest:
+                    break
+                self._opened = False
+                if rest.startswith("{"):
+                    self._buf, self._call = rest, JsonCall(self._index)
+                else:  # no JSON after the tag: it was text after all
+                    events.append(TextDelta(self.start))
+            elif self._call is not None:
                 got, n = self._call.feed(self._buf)
                 events += got
                 self._buf = self._buf[n:]
@@ -109,13 +119,15 @@ class TaggedJsonCalls(OutputParser):
                 if after is None:
                     self._buf = self._buf[len(before):]
                     break
-                self._buf, self._call = after, JsonCall(self._index)
+                self._buf, self._opened = after, True
         return events
 
     def close(self) -> list[Event]:
         if self._call is not None:
             return self._call.finish()
         rest, self._buf = self._buf, ""
+        if self._opened:
+            return [TextDelta(self.start + rest)]
         if self._closing or (self._index and not rest.strip()):
             return []
         return [TextDelta(rest)] if rest else []

@@ -103,6 +103,12 @@ def test_hermes_plain_text_with_a_lone_angle_bracket_passes_through():
     assert summary(run(Hermes(), out, 1)) == (out, [])
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_hermes_tag_without_json_stays_text(size):
+    out = 'Call it like <tool_call>get_weather(city="Paris")</tool_call>, then <tool_call>'
+    assert summary(run(Hermes(), out, size)) == (out, [])
+
+
 def test_hermes_call_cut_off_by_max_tokens_still_ends():
     events = run(Hermes(), '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', 4)
     assert isinstance(events[-1], ToolCallEnd) and events[-1].call.name == "get_weather"
