@@ -87,7 +87,9 @@ def prepare(loaded: LoadedModel, turn: Turn) -> Prepared:
     messages = [message_dict(m, native=native) for m in turn.messages]
     if not native:
         messages = fallback_messages(messages, turn.tools)
-    text = render(loaded, template, messages, kwargs)
+    if isinstance(loaded.tokenizer.chat_template, dict):  # name the variant chosen above
+        kwargs["chat_template"] = template
+    text = render(loaded, messages, kwargs)
     constraint = None
     if grammar:
         try:
@@ -121,20 +123,18 @@ def template_variables(template: str) -> frozenset[str]:
                          if re.search(rf"\b{name}\b", template))
 
 
-def render(loaded: LoadedModel, template: str, messages: list[dict], kwargs: dict) -> str:
+def render(loaded: LoadedModel, messages: list[dict], kwargs: dict) -> str:
     """Returns the prompt text. A template that rejects `system` messages after the first
     gets them as user messages instead."""
     apply = loaded.tokenizer.apply_chat_template
     try:
         try:
-            return apply(messages, chat_template=template or None, tokenize=False,
-                         add_generation_prompt=True, **kwargs)
+            return apply(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except Exception:
             if not any(m["role"] == "system" for m in messages[1:]):
                 raise
             moved = messages[:1] + [{**m, "role": "user"} if m["role"] == "system" else m for m in messages[1:]]
-            return apply(moved, chat_template=template or None, tokenize=False,
-                         add_generation_prompt=True, **kwargs)
+            return apply(moved, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:
         raise PrepareError(f"the chat template rejected these messages: {e}", param="messages") from None
 
