@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from appliance.config import ConfigError, ConfigIssue, load_spec_as, write_config
+from appliance.config import MASK, ConfigError, ConfigIssue, load_spec_as, write_config
 from appliance.reconcile.watch import reconcile_now
 from appliance.server.errors import ApiError
 from appliance.server.json import JSONResponse
@@ -120,9 +121,37 @@ async def edit_models(request: Request, edit) -> Response:
 
 
 async def get_file(request: Request) -> Response:
-    """The config file's text, as saved."""
+    """The config file's text, as saved, with its keys masked (as GET /admin/api/config
+    shows them)."""
     path = request.app.state.appliance.config.path
-    return JSONResponse({"path": str(path), "text": await asyncio.to_thread(path.read_text)})
+    return JSONResponse({"path": str(path), "text": mask_keys(await asyncio.to_thread(path.read_text))})
+
+
+# `admin_key = "..."` and an API key's `key = "..."` (also inside inline tables).
+KEY_VALUE = re.compile(r"""\b(admin_key|key)(\s*=\s*)(["'])(.*?)\3""")
+
+
+def mask_keys(text: str) -> str:
+    """Returns the file's text with every key's value replaced by MASK."""
+    return KEY_VALUE.sub(lambda m: f"{m[1]}{m[2]}{m[3]}{MASK}{m[3]}", text)
+
+
+def unmask_keys(text: str, saved: str) -> str:
+    """Returns `text` with each masked key put back: the n-th masked `key` (or `admin_key`)
+    takes the value of the n-th one in the saved file."""
+    values: dict[str, list[str]] = {}
+    for m in KEY_VALUE.finditer(saved):
+        values.setdefault(m[1], []).append(m[4])
+    seen: dict[str, int] = {}
+
+    def restore(m: re.Match) -> str:
+        n = seen[m[1]] = seen.get(m[1], -1) + 1
+        old = values.get(m[1], [])
+        if m[4] != MASK or n >= len(old):
+            return m[0]
+        return f"{m[1]}{m[2]}{m[3]}{old[n]}{m[3]}"
+
+    return KEY_VALUE.sub(restore, text)
 
 
 async def put_file(request: Request) -> Response:
@@ -135,8 +164,10 @@ async def put_file(request: Request) -> Response:
         raise ApiError(400, 'the body must be {"text": "<the TOML file>"}', code="invalid_json") from None
     app = request.app.state.appliance
     async with _EDITS:
+        path = app.config.path
         try:
-            await asyncio.to_thread(write_text, app.config.path, text)
+            text = unmask_keys(text, await asyncio.to_thread(path.read_text))
+            await asyncio.to_thread(write_text, path, text)
         except ConfigError as e:
             return invalid(e)
         return await applied(request)

@@ -3,6 +3,8 @@ config would reject never reaches the file."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -50,3 +52,28 @@ def test_config_text_round_trips_and_bad_text_names_its_error(server: Server):
     r = httpx.put(f"{server.url}/admin/api/config/file", json={"text": got["text"]})
     assert r.status_code == 200 and r.json()["applied"] is True
     assert httpx.put(f"{server.url}/admin/api/config/file", content=b"not json").status_code == 400
+
+
+def test_config_text_masks_keys_and_keeps_them_on_save(server: Server):
+    original = server.config.read_text()
+    key = "config-edits-test-admin-key"
+    with_key = original.replace("[server]", f'[server]\nadmin_key = "{key}"')
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        r = httpx.put(f"{server.url}/admin/api/config/file", json={"text": with_key})
+        assert r.status_code == 200 and r.json()["applied"] is True
+        assert httpx.get(f"{server.url}/admin/api/config/file").status_code == 401
+        shown = httpx.get(f"{server.url}/admin/api/config/file", headers=auth).json()["text"]
+        assert key not in shown and 'admin_key = "**********"' in shown
+        # Saving the masked text back (with another change) keeps the real key.
+        edited = shown.replace("max_queued = 8", "max_queued = 9")
+        r = httpx.put(f"{server.url}/admin/api/config/file", json={"text": edited}, headers=auth)
+        assert r.status_code == 200 and r.json()["applied"] is True
+        assert f'admin_key = "{key}"' in server.config.read_text()
+        assert "max_queued = 9" in server.config.read_text()
+    finally:
+        server.config.write_text(original)
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server.url}/admin/api/status").status_code != 200:
+        assert time.monotonic() < deadline, "the admin key never went away"
+        time.sleep(0.2)
