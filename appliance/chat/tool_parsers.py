@@ -19,54 +19,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
+from appliance.chat.call_format import (
+    NEWLINE,
+    SEMICOLON,
+    TokenOf,
+    ToolFormat,
+    call_object,
+    literal,
+    repeated,
+    schema,
+)
 from appliance.chat.grammar import json_rule
 from appliance.chat.streaming import JsonCall, ObjectEnd, OutputParser, call_id, split_at
 from appliance.chat.turn import Event, TextDelta, Tool, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
-
-# A tag's single special token id in the model's vocabulary, or None: a grammar must
-# name special tokens by id (llguidance's `<[id]>`), their text would not match them.
-TokenOf = Callable[[str], "int | None"]
-
-def schema(tool: Tool) -> dict[str, Any]:
-    return tool.parameters or {"type": "object", "properties": {}}
-
-
-def literal(text: str, token_of: TokenOf) -> str:
-    token = token_of(text)
-    return f"<[{token}]>" if token is not None else json.dumps(text)
-
-
-def call_object(tools: tuple[Tool, ...], args_key: str) -> dict[str, Any]:
-    """Returns the schema of one call object `{"name": ..., args_key: {...}}` of any tool."""
-    return {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"const": t.name}, args_key: schema(t)},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    } for t in tools]}
-
-
-NEWLINE, SEMICOLON = '"\\n"', '"; "'  # separators between calls, as lark strings
-
-
-def repeated(item: str, separator: str, parallel: bool) -> str:
-    return f"{item} ({separator} {item})*" if parallel else item
-
-
-class ToolFormat:
-    name = ""
-
-    def parser(self, tools: tuple[Tool, ...]) -> OutputParser:
-        raise NotImplementedError
-
-    def grammar(self, tools: tuple[Tool, ...], *, parallel: bool, token_of: TokenOf) -> str:
-        """Returns a lark grammar whose every sentence is one call (or several, if
-        `parallel`) of `tools`, in this format."""
-        raise NotImplementedError
-
 
 # --- Hermes / Qwen -------------------------------------------------------------------------
 
@@ -497,7 +464,8 @@ class QwenCoder(ToolFormat):
             items = [f'"<function={t.name}>\\n"']
             items += [f'("<parameter={k}>\\n" VALUE "</parameter>\\n")?' for k in schema(t).get("properties", {})]
             alts.append(" ".join(items + ['"</function>"']))
-        call = f'{literal("<tool_call>", token_of)} "\\n" ({" | ".join(alts)}) "\\n" {literal("</tool_call>", token_of)}'
+        start, end = literal("<tool_call>", token_of), literal("</tool_call>", token_of)
+        call = f'{start} "\\n" ({" | ".join(alts)}) "\\n" {end}'
         return (f'start: {repeated("call", NEWLINE, parallel)}\ncall: {call}\n'
                 "VALUE: /[^<]+/\n")  # its last newline is the one before </parameter>
 
