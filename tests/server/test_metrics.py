@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -63,3 +65,23 @@ def test_counters_move_as_requests_are_served(server: Server):
     # The same chat twice: the second restores its prefix from the memory tier.
     assert moved("omlx_cached_prompt_tokens_total", model=MODEL_NAME, tier="memory") > 0
     assert moved("omlx_model_cache_hits_total", model=MODEL_NAME) >= 1
+
+
+def test_reconcile_counters_move_with_applies_and_failures(server: Server):
+    before = scrape(server)
+    good = httpx.get(f"{server.url}/admin/api/config/file").json()["text"]
+    bad = httpx.put(f"{server.url}/admin/api/config/file", json={"text": good.replace("max_queued = 8", "max_queued = -1")})
+    assert bad.status_code == 400  # refused before the file: not a reconcile failure
+    try:
+        server.config.write_text(good.replace("max_queued = 8", "max_queued = -1"))  # the watcher rejects it
+        deadline = time.monotonic() + 60
+        while value(scrape(server), "omlx_reconcile_failures_total") == value(before, "omlx_reconcile_failures_total"):
+            assert time.monotonic() < deadline, "the failure was never counted"
+            time.sleep(0.2)
+    finally:
+        server.config.write_text(good)
+    applied = httpx.put(f"{server.url}/admin/api/config/file", json={"text": good})
+    assert applied.status_code == 200
+    after = scrape(server)
+    assert value(after, "omlx_reconcile_applies_total") > value(before, "omlx_reconcile_applies_total")
+    assert value(after, "omlx_reconcile_failures_total") >= value(before, "omlx_reconcile_failures_total") + 1
