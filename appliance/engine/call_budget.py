@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from appliance.models.memory import free_bytes
