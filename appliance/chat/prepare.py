@@ -26,7 +26,7 @@ from appliance.chat.grammar import Constraint, compile_constraint, format_gramma
 from appliance.chat.reasoning import ReasoningParser, opens_thinking, template_thinks
 from appliance.chat.streaming import OutputParser
 from appliance.chat.tool_parsers import ToolFormat, tool_format
-from appliance.chat.turn import Message, Tool, ToolCall, Turn
+from appliance.chat.turn import Event, Message, Tool, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, Turn
 from appliance.models.loaded import LoadedModel
 
 __all__ = ["FALLBACK_TOOL_PROMPT", "OutputParser", "PrepareError", "Prepared", "prepare"]
@@ -62,10 +62,33 @@ class Prepared:
     tools: tuple[Tool, ...] = ()
     reasoning: bool = False  # the answer may start with <think>...</think>
     reasoning_open: bool = False  # the prompt itself opened <think>
+    parallel_tool_calls: bool = True  # False: calls after the first are dropped
 
     def parser(self) -> OutputParser:
         inner = self.tool_format.parser(self.tools) if self.tool_format else OutputParser()
+        if not self.parallel_tool_calls:
+            inner = FirstCallOnly(inner)
         return ReasoningParser(inner, started=self.reasoning_open) if self.reasoning else inner
+
+
+class FirstCallOnly(OutputParser):
+    """Passes on everything but the calls after the first (`parallel_tool_calls` false)."""
+
+    def __init__(self, inner: OutputParser):
+        self.inner = inner
+
+    def feed(self, text: str) -> list[Event]:
+        return self._first(self.inner.feed(text))
+
+    def close(self) -> list[Event]:
+        return self._first(self.inner.close())
+
+    @staticmethod
+    def _first(events: list[Event]) -> list[Event]:
+        return [e for e in events if not (isinstance(e, CALL_EVENTS) and e.index > 0)]
+
+
+CALL_EVENTS = (ToolCallStart, ToolCallDelta, ToolCallEnd)
 
 
 def prepare(loaded: LoadedModel, turn: Turn) -> Prepared:
@@ -101,7 +124,8 @@ def prepare(loaded: LoadedModel, turn: Turn) -> Prepared:
     reasoning = template_thinks(template) and grammar is None
     return Prepared(prompt_tokens=tuple(loaded.encode(text)), constraint=constraint,
                     tool_format=fmt if calls else None, tools=turn.tools,
-                    reasoning=reasoning, reasoning_open=reasoning and opens_thinking(text))
+                    reasoning=reasoning, reasoning_open=reasoning and opens_thinking(text),
+                    parallel_tool_calls=turn.parallel_tool_calls)
 
 
 def chat_template(loaded: LoadedModel, *, tools: bool) -> str:

@@ -146,3 +146,13 @@ def test_bad_tool_choice_and_bad_schema_name_their_param(loaded_model):
     with pytest.raises(PrepareError) as e:
         prepare(loaded_model, Turn(user, output_format=OutputFormat("json_schema", {"type": "objectx"})))
     assert e.value.param == "response_format"
+
+
+def test_without_parallel_calls_only_the_first_call_is_read(loaded_model):
+    user = (Message("user", "hi"),)
+    two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "A"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "B"}}\n</tool_call>')
+    for parallel, cities in ((True, ["A", "B"]), (False, ["A"])):
+        parser = prepare(loaded_model, Turn(user, tools=(WEATHER,), parallel_tool_calls=parallel)).parser()
+        calls = [e.call for e in parser.feed(two) + parser.close() if isinstance(e, ToolCallEnd)]
+        assert [json.loads(c.arguments)["city"] for c in calls] == cities
