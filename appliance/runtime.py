@@ -145,8 +145,12 @@ class Appliance:
         entry.ready.set()
 
     def _request_finished(self, model: str, stats: RequestStats) -> None:
-        if self.on_request_finished is not None:
+        if self.on_request_finished is None:
+            return
+        try:
             self.on_request_finished(model, stats)
+        except Exception:  # runs on the engine thread: a metrics bug must not fail requests
+            log.exception("recording a finished request of %s failed", model)
 
     def retire(self, entry: ModelEntry, *, drain_s: float) -> None:
         """Stops an entry's engine in the background, letting its requests finish first."""
