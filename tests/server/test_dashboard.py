@@ -206,3 +206,17 @@ def test_readme_screenshot_is_a_png():
     if os.environ.get("UPDATE_DASHBOARD_PNG") == "1":
         shutil.copyfile(ARTIFACTS / "overview.png", docs)
     assert docs.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_page_loads_nothing_from_elsewhere(browser_context, two_models: Server):
+    """Offline: the page and every asset and call it makes come from the server itself."""
+    page = browser_context.new_page()
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    try:
+        page.goto(two_models.url + "/")
+        page.locator("#overview-models tbody tr").filter(has_text=MODEL_NAME).wait_for(timeout=WAIT_MS)
+    finally:
+        page.close()
+    assert {u.split("/dashboard/")[-1] for u in requested if "/dashboard/" in u} == {"style.css", "app.js"}
+    assert all(u.startswith(two_models.url + "/") for u in requested), requested
