@@ -1,7 +1,7 @@
-"""The real coding agents against omlx with the default model: Claude Code (`claude -p`),
-installed from npm into the checkout's ignored .cache/, set up with what `omlx connect`
-prints, run twice; the second run reads its prompt from the cache, as the agent itself
-reports."""
+"""The real coding agents against omlx with the default model: Claude Code (`claude -p`)
+and Codex (`codex exec`), installed from npm into the checkout's ignored .cache/, set up
+with what `omlx connect` prints, each run twice; the second run reads its prompt from the
+cache, as the agent itself reports."""
 
 from __future__ import annotations
 
@@ -88,3 +88,23 @@ def test_claude_code_runs_twice_and_reads_its_prompt_from_the_cache(agents: Agen
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert usage["cache_read_input_tokens"] >= prompt - 1  # all of it but the last token
 
+
+def test_codex_runs_twice_and_reads_its_prompt_from_the_cache(agents: Agents, agent_server: Server,
+                                                             tmp_path: Path):
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "omlx.config.toml").write_text(connect(agent_server, "codex"))
+    env = {**os.environ, "CODEX_HOME": str(home), "HOME": str(tmp_path / "home")}
+    cmd = [*agents.codex, "exec", "--json", "--profile", "omlx", "--skip-git-repo-check",
+           "What is the capital of France? Answer in one sentence."]
+    turns = []
+    for _ in range(2):
+        result = run(cmd, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr + result.stdout
+        events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        turns.append(next(e for e in events if e["type"] == "turn.completed"))
+    first, second = turns[0]["usage"], turns[1]["usage"]
+    # Codex's own first prompt, whole (~8,900 tokens: past the trained context), cold...
+    assert first["input_tokens"] > 8192 and first["cached_input_tokens"] < first["input_tokens"] / 2
+    # ...and again, from the cache (all but the last token of each request of the turn).
+    assert second["cached_input_tokens"] >= second["input_tokens"] * 0.95
