@@ -14,7 +14,7 @@ from starlette.routing import Route
 from appliance.reconcile.apply import Reconciler
 from appliance.reconcile.watch import watch
 from appliance.runtime import Appliance
-from appliance.server import admin, anthropic, config_edits, dashboard, metrics, openai, responses
+from appliance.server import admin, anthropic, config_edits, dashboard, metrics, openai, openapi, responses
 from appliance.server.errors import EXCEPTION_HANDLERS
 from appliance.server.guard import Guard
 
@@ -44,8 +44,8 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
 
     api = [*openai.ROUTES, *anthropic.ROUTES, *responses.ROUTES]
     app = Starlette(
-        routes=[*api, *aliases(api), *admin.ROUTES, *config_edits.ROUTES, *metrics.ROUTES,
-                *dashboard.ROUTES],
+        routes=[*api, *aliases(api), *admin.ROUTES, *openapi.ROUTES, *config_edits.ROUTES,
+                *metrics.ROUTES, *dashboard.ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
         # Counted first, so refused requests count too; then keys, tenants, limits.
         middleware=[Middleware(metrics.CountRequests), Middleware(Guard)],
