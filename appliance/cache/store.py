@@ -226,7 +226,9 @@ class KVStore:
         """Hands a block leaving RAM to the SSD unless it is there or on its way."""
         if self.ssd is None or self.writer is None:
             return
-        if self.ssd.contains(host.key, group=host.group) or self.writer.is_pending(host.key, group=host.group):
+        # Pending first: the writer indexes a block before it stops counting it as pending,
+        # so asked in this order, a block written in between is never missed.
+        if self.writer.is_pending(host.key, group=host.group) or self.ssd.contains(host.key, group=host.group):
             return
         self.writer.submit(Block(host.key, host.parent, host.group, host.tokens, host.meta, host.payload.data))
 
