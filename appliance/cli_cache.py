@@ -66,7 +66,8 @@ def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
     requests = {
         "stats": ("GET", base, None),
         "clear": ("POST", f"{base}/clear", {"model": args.model} if args.verb == "clear" and args.model else {}),
-        "export": ("POST", f"{base}/export", {"path": str(getattr(args, "path", "")), "model": getattr(args, "model", None),
+        "export": ("POST", f"{base}/export", {"path": str(getattr(args, "path", "")),
+                                              "model": getattr(args, "model", None),
                                               "tenant": getattr(args, "tenant", "default")}),
         "import": ("POST", f"{base}/import", {"path": str(getattr(args, "path", ""))}),
     }

@@ -57,7 +57,8 @@ def render(status: dict, overview: dict, cache: dict, url: str) -> str:
     if config["last_error"]:
         lines.append(f"config not applied: {config['last_error']['message']}")
     rows = {m["name"]: m for m in overview["models"]}
-    models = [[m["name"] + (" *" if m["default"] else ""), m["state"], size(rows.get(m["name"], {}).get("weights_bytes")),
+    models = [[m["name"] + (" *" if m["default"] else ""), m["state"],
+               size(rows.get(m["name"], {}).get("weights_bytes")),
                str(m["context_tokens"] or "-"), f"{rows.get(m['name'], {}).get('running', 0)}/"
                f"{rows.get(m['name'], {}).get('queued', 0)}", str(rows.get(m["name"], {}).get("requests", 0)),
                ratio(cache.get("models", {}).get(m["name"], {}).get("hit_ratio"))]

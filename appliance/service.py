@@ -81,7 +81,8 @@ def launchd_agent(config: Path, *, name: str, home: Path, stop_timeout_s: float)
         "StandardOutPath": str(logs / f"{name}.log"),
         "StandardErrorPath": str(logs / f"{name}.log"),
     }
-    return ServiceFile("darwin", launchd_label(name), home / "Library" / "LaunchAgents" / f"{launchd_label(name)}.plist",
+    path = home / "Library" / "LaunchAgents" / f"{launchd_label(name)}.plist"
+    return ServiceFile("darwin", launchd_label(name), path,
                        plistlib.dumps(plist).decode())
 
 

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {(s, n): summarize(results, s, n) for s, n in ((OMLX, 1), (MLX_LM, 1), (OMLX, 2))}
     targets = targets_of(summaries)
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "bench/agent_trace.py", *(argv if argv is not None else sys.argv[1:])]),
         "duration_s": round(time.time() - started, 1),
         "machine": machine(),

@@ -99,8 +99,7 @@ def run_generate_step(model, prompt, *, chunk: int, decode: int) -> dict:
     sync()
     started = time.perf_counter()
     times = []
-    for n, (_, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=decode + 1,
-                                             prefill_step_size=chunk)):
+    for _ in generate_step(mx.array(prompt), model, max_tokens=decode + 1, prefill_step_size=chunk):
         times.append(time.perf_counter() - started)
     return decode_stats(times)
 

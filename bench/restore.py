@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"   failed: {type(e).__name__}: {e}")
                 results.append(SizeResult(label=label, target_tokens=n, error=f"{type(e).__name__}: {e}"[:2000]))
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "bench/restore.py", *(argv if argv is not None else sys.argv[1:])]),
         "duration_s": round(time.time() - started, 1),
         "machine": machine(),

@@ -40,7 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_cache_drop": methods,
     }
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "bench/ssd_throughput.py", *argv]),
         "duration_s": round(time.time() - started, 1),
         "machine": machine(),

@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
     record: dict = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "bench/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
         "complete": False,
         "machine": machine(),

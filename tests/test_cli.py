@@ -8,7 +8,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-
 from appliance.cli_connect import base_url
 from appliance.spec import Spec
 

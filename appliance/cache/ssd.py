@@ -25,9 +25,20 @@ from pathlib import Path
 
 import orjson
 
-from appliance.cache.block import (FORMAT_VERSION, MISSING, Block, BlockError, decode,
-                                   encode_head, fsync_dir, is_valid_group, read_file, read_tokens,
-                                   relative_path, write_atomic)
+from appliance.cache.block import (
+    FORMAT_VERSION,
+    MISSING,
+    Block,
+    BlockError,
+    decode,
+    encode_head,
+    fsync_dir,
+    is_valid_group,
+    read_file,
+    read_tokens,
+    relative_path,
+    write_atomic,
+)
 from appliance.cache.ssd_index import IndexEntry, SsdIndex, unlink_quietly
 
 log = logging.getLogger("omlx.cache")

@@ -21,16 +21,7 @@ import json
 import re
 from typing import Any
 
-from appliance.chat.call_format import (
-    NEWLINE,
-    SEMICOLON,
-    TokenOf,
-    ToolFormat,
-    call_object,
-    literal,
-    repeated,
-    schema,
-)
+from appliance.chat.call_format import NEWLINE, SEMICOLON, TokenOf, ToolFormat, call_object, literal, repeated, schema
 from appliance.chat.grammar import json_rule
 from appliance.chat.streaming import JsonCall, ObjectEnd, OutputParser, call_id, split_at
 from appliance.chat.turn import Event, TextDelta, Tool, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart

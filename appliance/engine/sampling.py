@@ -5,12 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from appliance.engine.request import SamplingParams
 

@@ -27,12 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import (
-    GenerationBatch,
-    PromptProcessingBatch,
-    StopSequences,
-    generation_stream,
-)
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from appliance.cache.batch_cache import BatchCache, row_view

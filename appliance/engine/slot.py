@@ -41,7 +41,8 @@ class Slot:
             "cached_tokens": list(r.prompt_tokens[:n]),
             "max_tokens": r.max_tokens,
             "sampler": make_sampler(r.sampling, logprobs=r.top_logprobs is not None),
-            "processors": make_processors(r.sampling) + ([r.constraint.processor()] if r.constraint is not None else []),
+            "processors": make_processors(r.sampling)
+            + ([r.constraint.processor()] if r.constraint is not None else []),
             "stop": StopSequences([[t] for t in sorted(self._stop_ids)]),
         }
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-
-import orjson
-
 from pathlib import Path
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response

@@ -20,8 +20,18 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from appliance.chat.turn import (
-    Event, Message, OutputFormat, ReasoningDelta, TEXT, TextDelta, Tool, ToolCall, ToolCallDelta,
-    ToolCallEnd, ToolCallStart, Turn,
+    TEXT,
+    Event,
+    Message,
+    OutputFormat,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Turn,
 )
 from appliance.engine.request import RequestStats, SamplingParams
 from appliance.server.errors import ApiError, bad_request
@@ -29,7 +39,13 @@ from appliance.server.json import JSONResponse, sse_typed
 from appliance.server.openai import appliance_of
 from appliance.server.params import Lenient, parse_body
 from appliance.server.turns import (
-    HEARTBEAT_S, KEEPALIVE_S, PromptTooLong, TurnRun, prepare_turn, submit_turn, with_heartbeat,
+    HEARTBEAT_S,
+    KEEPALIVE_S,
+    PromptTooLong,
+    TurnRun,
+    prepare_turn,
+    submit_turn,
+    with_heartbeat,
 )
 
 # Claude Code's first system block: it changes on every request (cch=...), so rendered

@@ -11,7 +11,7 @@ from appliance.server.errors import ApiError
 from appliance.spec import LimitsSpec
 
 # The applied [limits] for the request being served, set by the Guard middleware.
-REQUEST_LIMITS: ContextVar[LimitsSpec] = ContextVar("omlx_request_limits", default=LimitsSpec())
+REQUEST_LIMITS: ContextVar[LimitsSpec] = ContextVar("omlx_request_limits", default=LimitsSpec())  # noqa: B039 (frozen)
 
 
 class Refused(Exception):

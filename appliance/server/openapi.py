@@ -74,7 +74,8 @@ def schema() -> dict:
         "components": {
             "schemas": defs.get("$defs", {}),
             "securitySchemes": {
-                "api": {"type": "http", "scheme": "bearer", "description": "an API key (or x-api-key), when keys are configured"},
+                "api": {"type": "http", "scheme": "bearer",
+                        "description": "an API key (or x-api-key), when keys are configured"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "the admin key, when one is configured"},
             },
         },

@@ -22,8 +22,18 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from appliance.chat.turn import (
-    Event, Message, OutputFormat, ReasoningDelta, TEXT, TextDelta, Tool, ToolCall, ToolCallDelta,
-    ToolCallEnd, ToolCallStart, Turn,
+    TEXT,
+    Event,
+    Message,
+    OutputFormat,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Turn,
 )
 from appliance.engine.request import SamplingParams
 from appliance.server.errors import ApiError, bad_request

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from appliance.cache.model_cache import tenant_group
-from appliance.chat.prepare import OutputParser, PrepareError, Prepared, prepare
+from appliance.chat.prepare import OutputParser, Prepared, PrepareError, prepare
 from appliance.chat.turn import Event, ToolCallStart, Turn
 from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest, RequestStats, SamplingParams

@@ -7,8 +7,18 @@ import orjson
 import pytest
 
 from appliance.cache import block as block_module
-from appliance.cache.block import (MAGIC, PAYLOAD_ALIGN, PRELUDE, Block, BlockError, decode,
-                                   encode_head, is_valid_group, read_file, relative_path)
+from appliance.cache.block import (
+    MAGIC,
+    PAYLOAD_ALIGN,
+    PRELUDE,
+    Block,
+    BlockError,
+    decode,
+    encode_head,
+    is_valid_group,
+    read_file,
+    relative_path,
+)
 
 KEY = bytes(range(32))
 GROUP = "a1b2c3d4e5f6a7b8/default"

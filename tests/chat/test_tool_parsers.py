@@ -7,14 +7,7 @@ import json
 
 import pytest
 
-from appliance.chat.tool_parsers import (
-    DeepSeek,
-    Hermes,
-    Llama3,
-    Mistral,
-    QwenCoder,
-    tool_format,
-)
+from appliance.chat.tool_parsers import DeepSeek, Hermes, Llama3, Mistral, QwenCoder, tool_format
 from appliance.chat.turn import TextDelta, Tool, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 WEATHER = Tool("get_weather", "Current weather", {

@@ -6,8 +6,16 @@ import os
 
 import pytest
 
-from appliance.reconcile.plan import (LoadModel, Rebind, ReopenCache, ResizeCache, SelectKernels,
-                                      SetBatching, UnloadModel, plan)
+from appliance.reconcile.plan import (
+    LoadModel,
+    Rebind,
+    ReopenCache,
+    ResizeCache,
+    SelectKernels,
+    SetBatching,
+    UnloadModel,
+    plan,
+)
 from appliance.spec import Spec
 
 A = {"name": "a", "source": "a.gguf", "default": True}

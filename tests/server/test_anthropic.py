@@ -5,9 +5,8 @@ conversion and the event writer on their own."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Iterator
 
 import anthropic
 import httpx
@@ -15,9 +14,7 @@ import jsonschema
 import orjson
 import pytest
 
-from appliance.chat.turn import (
-    Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart,
-)
+from appliance.chat.turn import Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 from appliance.engine.request import RequestStats
 from appliance.server.anthropic import CountParams, MessageWriter
 from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config

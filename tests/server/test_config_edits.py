@@ -45,7 +45,8 @@ def test_config_text_round_trips_and_bad_text_names_its_error(server: Server):
     assert r.status_code == 400
     assert "line" in r.json()["error"]["message"]  # TOML syntax errors say where
     assert ".pending-" not in r.json()["error"]["message"]  # the real file is named, not the temp one
-    r = httpx.put(f"{server.url}/admin/api/config/file", json={"text": got["text"].replace("max_queued = 8", "max_queued = -1")})
+    bad = got["text"].replace("max_queued = 8", "max_queued = -1")
+    r = httpx.put(f"{server.url}/admin/api/config/file", json={"text": bad})
     assert r.status_code == 400
     assert [i["path"] for i in r.json()["error"]["issues"]] == ["batching.max_queued"]
     assert server.config.read_text() == got["text"]

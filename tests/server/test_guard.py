@@ -202,7 +202,8 @@ def test_a_key_gets_one_running_one_queued_and_429_beyond(guarded: Server):
 
 def test_a_key_removed_from_the_config_stops_working_live(guarded: Server):
     config = Path(guarded.config)
-    config.write_text(config.read_text().replace(SERVER_KEYS, SERVER_KEYS.replace(f'key = "{KEY_A}"', 'key = "team-a-rotated-key-42"')))
+    rotated = SERVER_KEYS.replace(f'key = "{KEY_A}"', 'key = "team-a-rotated-key-42"')
+    config.write_text(config.read_text().replace(SERVER_KEYS, rotated))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if httpx.get(f"{guarded.url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 401:

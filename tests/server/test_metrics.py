@@ -70,7 +70,8 @@ def test_counters_move_as_requests_are_served(server: Server):
 def test_reconcile_counters_move_with_applies_and_failures(server: Server):
     before = scrape(server)
     good = httpx.get(f"{server.url}/admin/api/config/file").json()["text"]
-    bad = httpx.put(f"{server.url}/admin/api/config/file", json={"text": good.replace("max_queued = 8", "max_queued = -1")})
+    broken = good.replace("max_queued = 8", "max_queued = -1")
+    bad = httpx.put(f"{server.url}/admin/api/config/file", json={"text": broken})
     assert bad.status_code == 400  # refused before the file: not a reconcile failure
     try:
         server.config.write_text(good.replace("max_queued = 8", "max_queued = -1"))  # the watcher rejects it

@@ -4,8 +4,8 @@ and the event writer on their own."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Iterator
 
 import httpx
 import jsonschema
@@ -13,9 +13,7 @@ import openai
 import orjson
 import pytest
 
-from appliance.chat.turn import (
-    Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart,
-)
+from appliance.chat.turn import Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 from appliance.engine.request import RequestStats
 from appliance.server.responses import Functions, ResponsesParams, ResponseWriter, turn_of
 from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
