@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> LoadedMod
     """Returns `spec`'s model loaded and evaluated; raises ModelSourceError or ValueError."""
     from mlx_lm.utils import load
 
+    from appliance.models.fingerprint import start_fingerprint
     from appliance.models.source import materialize
 
     started = time.perf_counter()
     dtype = resolve_dtype(spec.dtype)
     path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
+    with contextlib.suppress(OSError):  # the KV cache's key, hashed while the weights load
+        start_fingerprint(path, memo_dir=cache_dir)
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     if dtype is not None:
         cast(model, DTYPES[dtype])
