@@ -15,8 +15,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from appliance.cache.batch_cache import BatchCache
 from appliance.cache.keys import KeySpace, KVLayout
+from appliance.engine.mlxlm_seam import BatchCache, set_size
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCac
         c.keys = layer_of([b.keys for b in blocks], layer)
         c.values = layer_of([b.values for b in blocks], layer)
         c.offset = mx.array([num_tokens])
-        c._idx = num_tokens
+        set_size(c, num_tokens)
         caches.append(c)
     mx.eval([(c.keys, c.values, c.offset) for c in caches])
     return caches

@@ -12,9 +12,9 @@ plain `KVCache`s that share the `BatchKVCache`s' buffers (so the mask is "causal
 reserves the whole prompt's room once, and hands the buffers back.
 
 Read from mlx-lm 0.32.2 (`models/cache.py`): `BatchKVCache` keeps `keys`/`values`
-as [B, heads, allocated, dim] with the tokens at [left_padding, _idx), `offset` =
-`_idx - left_padding` per row; `KVCache` keeps them at [0, offset). Checked by
-tests/engine/test_prefill.py.
+as [B, heads, allocated, dim] with the tokens at [left_padding, size()), `offset` =
+`size() - left_padding` per row (mlxlm_seam.set_size sets where they end); `KVCache`
+keeps them at [0, offset). Checked by tests/engine/test_prefill.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from appliance.cache.batch_cache import BatchCache
+from appliance.engine.mlxlm_seam import BatchCache, set_size
 
 STEP_TOKENS = BatchKVCache.step  # buffers are allocated in multiples of this
 
@@ -68,7 +68,8 @@ def prefill(batch: PromptProcessingBatch, tokens: list[int], *, chunk_tokens: in
                 reserve(c, total)
         mx.eval([(c.keys, c.values) for c in caches])
     for b, c in zip(batch.prompt_cache, caches):
-        b.keys, b.values, b._idx = c.keys, c.values, c.offset
+        b.keys, b.values = c.keys, c.values
+        set_size(b, c.offset)
         b.offset = mx.array([c.offset])
 
 
@@ -94,5 +95,5 @@ def _plain(cache: BatchKVCache) -> KVCache:
     """Returns a KVCache over `cache`'s buffers (no copy)."""
     plain = KVCache()
     if cache.keys is not None:
-        plain.keys, plain.values, plain.offset = cache.keys, cache.values, cache._idx
+        plain.keys, plain.values, plain.offset = cache.keys, cache.values, cache.size()
     return plain

@@ -27,13 +27,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences, generation_stream
+from mlx_lm.generate import PromptProcessingBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from appliance.cache.batch_cache import BatchCache, row_view
 from appliance.engine.call_budget import max_call_tokens, model_shape
+from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, row_view
 from appliance.engine.prefill import can_prefill, prefill
-from appliance.engine.sampling import GREEDY, Greedy
+from appliance.engine.sampling import GREEDY
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
@@ -57,76 +57,6 @@ class _Prefill:
         return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
-class LeanGeneration(GenerationBatch):
-    """mlx-lm's GenerationBatch, whose step normalizes the logits only when a row needs
-    log-probabilities: a batch of greedy rows that report none is sampled with one
-    argmax over the logits (see `Greedy`), and each row's `logprobs` is then its raw
-    logits, which nothing reads. Otherwise the step is mlx-lm's own."""
-
-    def _step(self) -> tuple[list[int], list[mx.array]]:
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        token_context = []
-        if any(self.logits_processors):
-            rows = []
-            for e in range(len(self.uids)):
-                row = logits[e:e + 1]
-                if self.logits_processors[e]:  # only rows with processors need a context
-                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
-                    token_context.append(context)
-                    for processor in self.logits_processors[e]:
-                        row = processor(context, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
-        greedy = all(isinstance(s, Greedy) for s in samplers)
-        if greedy and not any(s.logprobs for s in samplers):
-            logprobs = logits
-        else:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if greedy or all(s is samplers[0] for s in samplers):
-            sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
-        else:
-            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
-        self._next_tokens = sampled
-        self._next_logprobs = list(logprobs)
-        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
-        mx.eval(inputs, self._current_logprobs)
-        tokens = inputs.tolist()
-        for row, token in zip(self.tokens, tokens):
-            row.append(token)
-        return tokens, self._current_logprobs
-
-
-class EagerGeneration(LeanGeneration):
-    """mlx-lm's GenerationBatch without its one-step look-ahead: each `next()` feeds every
-    row its pending token and returns the tokens sampled from that forward pass.
-
-    mlx-lm samples token t+1 before handing out token t, so that host work overlaps the
-    device's. On MLX's CPU backend `async_eval` returns only once most of the pass has
-    run (measured here: 58 of a 66 ms step), so the look-ahead hides little and delays
-    every token, the first one included, by a whole forward pass.
-
-    Rows hold the token to feed next in `_next_tokens`: the last prompt token for a new
-    row (no priming pass at construction), else the token handed out last.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self._priming = True
-        super().__init__(*args, **kwargs)
-        self._priming = False
-        self._next_logprobs = [mx.array(0.0)] * len(self.uids)  # placeholders, one per row
-
-    def _step(self) -> tuple[list[int], list[mx.array]]:
-        if self._priming:
-            return [], []
-        super()._step()  # feeds _next_tokens (recording them in self.tokens), samples the next
-        mx.eval(self._next_tokens, self._next_logprobs)
-        return self._next_tokens.tolist(), self._next_logprobs
-
-
 def split_by_length(group: list[_Prefill], pass_tokens: float) -> list[list[_Prefill]]:
     """Returns `group` (shortest prompt first) cut into consecutive sub-batches, each to be
     prefilled in one padded call, at the least cost: a sub-batch costs its padded size
@@ -146,8 +76,8 @@ def split_by_length(group: list[_Prefill], pass_tokens: float) -> list[list[_Pre
     return parts[::-1]
 
 
-def merged(batches: list[PromptProcessingBatch]) -> PromptProcessingBatch:
-    """Returns the first of `batches` with the others appended to it, in order."""
+def extend_first(batches: list[PromptProcessingBatch]) -> PromptProcessingBatch:
+    """Extends the first of `batches` with the others, in order; returns it."""
     for other in batches[1:]:
         batches[0].extend(other)
     return batches[0]
@@ -234,7 +164,7 @@ class Scheduler:
             self._prefills.remove(p)
         parts = []
         for sub in split_by_length(group, self._pass_tokens()):
-            part = merged([p.batch for p in sub])
+            part = extend_first([p.batch for p in sub])
             todo = [p.remaining[:-1] for p in sub]
             padded = len(sub) * max(map(len, todo))
             self._budget_left -= padded
@@ -243,7 +173,7 @@ class Scheduler:
                 self._prompt(part, todo)
                 self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
             parts.append(part)
-        batch = merged(parts)
+        batch = extend_first(parts)
         self._generation.extend(self._generation_class(
             self.model, batch.uids, mx.array([p.remaining[-1] for p in group]), batch.prompt_cache,
             batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,

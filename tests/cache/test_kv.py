@@ -4,9 +4,9 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from appliance.cache.batch_cache import BatchCache
 from appliance.cache.keys import KVLayout, key_space
 from appliance.cache.kv import build_batch_cache, cut_blocks, from_payload, probe_layout, to_payload
+from appliance.engine.mlxlm_seam import BatchCache
 
 LAYERS, HEADS, DK, DV, B = 3, 2, 8, 4, 4
 LAYOUT = KVLayout(num_layers=LAYERS, kv_heads=HEADS, k_head_dim=DK, v_head_dim=DV, dtype="float32",

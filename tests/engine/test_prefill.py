@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from appliance.cache.batch_cache import BatchCache
+from appliance.engine.mlxlm_seam import BatchCache
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill, reserve
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def batch_of_one(model, caches) -> PromptProcessingBatch:
 def kv(batch: PromptProcessingBatch, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
     c = batch.prompt_cache[layer]
     pad = int(c.left_padding[0].item())
-    return np.array(c.keys[0, :, pad:c._idx]), np.array(c.values[0, :, pad:c._idx])
+    return np.array(c.keys[0, :, pad:c.size()]), np.array(c.values[0, :, pad:c.size()])
 
 
 def test_prefill_writes_the_same_cache_as_mlx_lms_batch_path(loaded_model):
@@ -45,7 +45,7 @@ def test_prefill_writes_the_same_cache_as_mlx_lms_batch_path(loaded_model):
     assert ours.tokens == theirs.tokens == [prompt]
     for layer in (0, len(ours.prompt_cache) - 1):
         c = ours.prompt_cache[layer]
-        assert c._idx == 300 and c.offset.tolist() == [300]
+        assert c.size() == 300 and c.offset.tolist() == [300]
         for a, b in zip(kv(ours, layer), kv(theirs, layer)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -94,6 +94,6 @@ def test_a_padded_last_chunk_leaves_the_same_cache(loaded_model):
     plain = batch_of_one(model, [BatchCache([0]) for _ in make_prompt_cache(model)])
     prefill(padded, prompt, chunk_tokens=128, shape_tokens=64)  # 128, 128, then 44 padded to 64
     prefill(plain, prompt, chunk_tokens=128)
-    assert padded.prompt_cache[0]._idx == 300 and padded.tokens == [prompt]
+    assert padded.prompt_cache[0].size() == 300 and padded.tokens == [prompt]
     for a, b in zip(kv(padded), kv(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

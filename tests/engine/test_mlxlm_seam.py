@@ -1,12 +1,23 @@
-"""BatchCache: string masks (the fused attention kernels) only while no row can be padded."""
+"""The mlx-lm seam: the private mlx-lm code it was read from is unchanged, and BatchCache
+hands out string masks (the fused attention kernels) only while no row can be padded."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
-from mlx_lm.models.cache import KVCache
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from appliance.cache.batch_cache import BatchCache, row_view
+from appliance.engine.mlxlm_seam import MLX_LM_VERSION, UPSTREAM, BatchCache, row_view, set_size, upstream_hash
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM))
+def test_the_mlx_lm_code_the_seam_depends_on_is_unchanged(name):
+    recorded, recheck = UPSTREAM[name]
+    assert upstream_hash(name) == recorded, (
+        f"mlx-lm {mlx_lm.__version__} changed {name} (recorded from {MLX_LM_VERSION}): re-check "
+        f"{recheck} in appliance/engine/mlxlm_seam.py, then record the new hash and version there")
 
 
 def filled(left_padding: list[int], n: int) -> BatchCache:
@@ -14,6 +25,13 @@ def filled(left_padding: list[int], n: int) -> BatchCache:
     k = mx.random.normal((len(left_padding), 2, n, 4))
     c.update_and_fetch(k, k)
     return c
+
+
+def test_set_size_moves_where_the_tokens_end():
+    c = filled([0], 10)
+    set_size(c, 6)
+    assert c.size() == 6
+    assert c.extract(0).keys.shape[2] == 6
 
 
 def test_an_unpadded_cache_hands_out_the_masks_of_a_plain_kv_cache():
@@ -47,6 +65,12 @@ def test_filter_and_merge_recompute_padding():
     plain[1].update_and_fetch(mx.zeros((1, 2, 7, 4)), mx.zeros((1, 2, 7, 4)))
     merged = BatchCache.merge(plain)
     assert type(merged) is BatchCache and merged.padded
+
+
+def test_a_state_set_from_outside_counts_as_padded():
+    c = filled([0], 4)
+    c.state = BatchKVCache.state.fget(filled([0], 4))
+    assert c.padded
 
 
 def test_array_masks_match_mlx_lms_when_padded():
