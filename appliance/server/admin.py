@@ -32,7 +32,11 @@ async def health(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
-    return JSONResponse(request.app.state.appliance.status())
+    """The appliance's status, plus whether the SSD tier stores and why not (full, unwritable)."""
+    app = request.app.state.appliance
+    ssd = app.store.stats()["ssd"] if app.store is not None else {}
+    cache = {"ssd": {"disabled": bool(ssd.get("disabled")), "disabled_reason": ssd.get("disabled_reason")}}
+    return JSONResponse({**app.status(), "cache": cache})
 
 
 async def get_config(request: Request) -> Response:
