@@ -35,7 +35,12 @@ async def reconcile_now(reconciler: Reconciler) -> Outcome | None:
 
 async def watch(reconciler: Reconciler, stop: asyncio.Event) -> None:
     """Reconciles on every change to the config or its profiles until `stop` is set."""
-    await asyncio.to_thread(reconciler.appliance.loaded.wait)
+    # Polled, not awaited in a thread: a stop while models load (the port taken at start,
+    # SIGTERM) must not wait for the load, and asyncio.run joins its executor's threads.
+    while not reconciler.appliance.loaded.is_set():
+        if stop.is_set():
+            return
+        await asyncio.sleep(0.1)
     await reconcile_now(reconciler)  # edits saved while the models were loading
     while not stop.is_set():
         files = watched_files(reconciler)

@@ -228,6 +228,7 @@ def test_port_taken_at_start_exits_non_zero_with_the_reason(tmp_path: Path):
             server.stop(signal.SIGKILL)
     assert code not in (0, None) and code > 0
     assert "address already in use" in server.output()
+    assert "warmed up" not in server.output()  # it exits at once, not after loading the model
     assert "Traceback" not in server.output()
 
 
