@@ -232,6 +232,29 @@ def test_port_taken_at_start_exits_non_zero_with_the_reason(tmp_path: Path):
     assert "Traceback" not in server.output()
 
 
+def test_sigterm_while_the_model_loads_exits_cleanly_without_waiting_for_it(tmp_path: Path):
+    port = free_port()
+    server = start_server(write_config(tmp_path / "omlx.toml", port=port), port, tmp_path / "server.log",
+                          wait_ready=False)
+    try:
+        def starting() -> bool:
+            try:
+                r = httpx.get(f"{server.url}/health", timeout=2)
+            except httpx.HTTPError:
+                return False
+            assert r.status_code == 503, "the model loaded before the test could stop it"
+            return r.json()["status"] == "starting"
+
+        wait_for(starting, timeout_s=EXIT_WAIT_S, interval_s=0.05)
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(EXIT_WAIT_S)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert code == 0, server.output()
+    assert "warmed up" not in server.output()
+    assert "Traceback" not in server.output()
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory):
     """A server running one request at a time (so one held slot would stall everyone)."""
