@@ -155,11 +155,16 @@ class ModelCache:
             self.counters["recompute_chosen"] += 1
         return lookup.truncated(best)
 
+    def restorable(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+                   prefill_tok_s: float | None, count: bool = True) -> Lookup:
+        """Returns the cached prefix of `tokens` whose restore beats recomputing it."""
+        return self.worth_restoring(self.lookup(tokens, tenant=tenant), prefill_tok_s=prefill_tok_s,
+                                    count=count)
+
     def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
                  prefill_tok_s: float | None = None) -> int:
         """Reads the SSD blocks worth restoring into host RAM; returns how many."""
-        lookup = self.worth_restoring(self.lookup(tokens, tenant=tenant), prefill_tok_s=prefill_tok_s,
-                                      count=False)
+        lookup = self.restorable(tokens, tenant=tenant, prefill_tok_s=prefill_tok_s, count=False)
         wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
         return self.store.prefetch(wanted, group=self.space(tenant).group) if wanted else 0
 

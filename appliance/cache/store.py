@@ -27,6 +27,7 @@ from appliance.cache.kv import KVBlock, from_payload, to_payload
 from appliance.cache.lru import LruTier
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
+from appliance.moving_average import moving_average
 
 log = logging.getLogger("omlx.cache")
 
@@ -71,7 +72,7 @@ class Rate:
         if seconds <= 0 or nbytes < (1 << 20):  # tiny reads measure overheads, not bandwidth
             return
         sample = nbytes / seconds
-        self.value = sample if self.value is None else 0.7 * self.value + 0.3 * sample
+        self.value = moving_average(self.value, sample)
 
     @property
     def bytes_per_s(self) -> float:

@@ -24,6 +24,7 @@ from appliance.engine.request import Finished, GenerationRequest, RequestStats, 
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
+from appliance.moving_average import moving_average
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
 
@@ -321,8 +322,8 @@ class Engine:
             return None
         prompt = slot.request.prompt_tokens
         try:
-            lookup = self.cache.lookup(prompt, tenant=slot.request.cache_group)
-            lookup = self.cache.worth_restoring(lookup, prefill_tok_s=self.prefill_tok_s)
+            lookup = self.cache.restorable(prompt, tenant=slot.request.cache_group,
+                                           prefill_tok_s=self.prefill_tok_s)
             restored = self.cache.restore(lookup, prompt_tokens=len(prompt))
         except Exception:  # a cache fault costs a recompute, never the request
             log.exception("cache restore failed on model %s; recomputing", self.loaded.name)
@@ -391,7 +392,7 @@ class Engine:
         computed = stats.prompt_tokens - stats.cached_tokens
         if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
             rate = computed / (now - stats.admitted_at)
-            self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
+            self.prefill_tok_s = moving_average(self.prefill_tok_s, rate)
         if self.cache is None or slot.done:
             return
         # Full blocks only: the prompt's partial tail block is saved once, at the finish,
