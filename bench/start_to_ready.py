@@ -2,8 +2,10 @@
 new length cold, over HTTP.
 
 Starts `omlx serve` on a model directory with a profile, times `GET /health` = 200 from
-the process start, reads the model's load time from the server log, then streams the
-chats and prints TTFT and decode ms/token of each.
+the process start, splits that time by the server log's timestamps (process start to its
+first line: imports and device set-up; the model load; load to warm-up: the weights'
+fingerprint and the cache set-up; the warm-up), then streams the chats and prints TTFT
+and decode ms/token of each.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
 
@@ -20,6 +22,7 @@ import re
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +36,36 @@ def long_text(model_dir: Path, num_tokens: int, seed: int) -> str:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     rng = random.Random(seed)
     return tok.decode([rng.randrange(100, 40000) for _ in range(num_tokens)])
+
+
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def phases(log: str, *, spawned_at: float, ready_at: float) -> dict:
+    """Returns start to ready split into phases (seconds) by the log's timestamps (local
+    time, milliseconds); a phase whose line is missing is left out."""
+    def at(pattern: str) -> tuple[float, float | None] | None:
+        for line in log.splitlines():
+            if re.search(pattern, line) and (m := STAMP.match(line)):
+                took = re.search(r" in ([0-9.]+) s", line)
+                return (datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(),
+                        float(took.group(1)) if took else None)
+        return None
+
+    first, loaded, warm = at(r"."), at(r"loaded from .* in [0-9.]+ s"), at(r"warmed up in [0-9.]+ s")
+    out = {}
+    if first:
+        out["process_to_first_log_line_s"] = first[0] - spawned_at
+    if loaded:
+        out["model_load_s"] = loaded[1]
+        if first:
+            out["first_line_to_load_start_s"] = loaded[0] - loaded[1] - first[0]
+    if warm:
+        out["warm_up_s"] = warm[1]
+        if loaded:
+            out["load_to_warm_up_start_s"] = warm[0] - warm[1] - loaded[0]  # fingerprint, probe, cache
+        out["warm_up_end_to_ready_s"] = ready_at - warm[0]
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def main() -> int:
@@ -64,11 +97,12 @@ dir = "{work / 'cache'}"
     log_path = (args.out.parent if args.out else work) / "omlx_server.log"
     server = ServerProcess("omlx", [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
                            port, log_path)
-    started = time.perf_counter()
+    started, spawned_at = time.perf_counter(), time.time()
     results: dict = {"tokens": args.tokens, "profile": args.profile}
     with server.start(ready_timeout_s=600):
         results["start_to_ready_s"] = round(time.perf_counter() - started, 2)
         text = log_path.read_text(errors="replace")
+        results["phases"] = phases(text, spawned_at=spawned_at, ready_at=time.time())
         load = re.search(r"loaded from .* in ([0-9.]+) s", text)
         results["model_load_s"] = float(load.group(1)) if load else None
         results["log_lines"] = [line for line in text.splitlines()
