@@ -75,6 +75,12 @@ def body_too_large(limit: int) -> ApiError:
                          "limits.max_body_bytes)", code="request_too_large")
 
 
+def default_tokens(default: int) -> int:
+    """Returns the tokens a request that names no max_tokens gets: `default`, within the
+    server's limits.max_tokens (a limit binds requests that leave it unsaid too)."""
+    return min(default, REQUEST_LIMITS.get().max_tokens)
+
+
 def check_tokens(*, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
     """Raises a 400 when a prompt or a requested `max_tokens` is over the server's limits
     (`param`: where the prompt came from, e.g. `messages`)."""

@@ -11,13 +11,13 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from appliance.cache.model_cache import tenant_group
+from appliance.cache.model_cache import request_tenant
 from appliance.chat.turn import TEXT, OutputFormat, Tool, ToolCall, Turn
 from appliance.chat.turn import Message as ChatMessage
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import bad_request
-from appliance.server.limits import check_tokens
+from appliance.server.limits import check_tokens, default_tokens
 
 MAX_STOPS = 16
 
@@ -251,7 +251,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
             f"prompt has {len(prompt)} tokens. Please reduce the length of the prompt.",
             param=prompt_param, code="context_length_exceeded",
         )
-    wanted = max_tokens or loaded.spec.default_max_tokens
+    wanted = max_tokens or default_tokens(loaded.spec.default_max_tokens)
     return GenerationRequest(
         prompt_tokens=tuple(prompt),
         max_tokens=min(wanted, context - len(prompt)),
@@ -259,7 +259,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
         stop=tuple(params.stop or ()),
         stop_token_ids=tuple(params.stop_token_ids),
         top_logprobs=top_logprobs,
-        cache_group=tenant_group(params.cache_salt),
+        tenant=request_tenant(params.cache_salt),
         trim_leading_space=trim_leading_space,
         constraint=constraint,
     )

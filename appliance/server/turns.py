@@ -13,14 +13,14 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from appliance.cache.model_cache import tenant_group
+from appliance.cache.model_cache import request_tenant
 from appliance.chat.prepare import OutputParser, Prepared, PrepareError, prepare
 from appliance.chat.turn import Event, ToolCallStart, Turn
 from appliance.engine.engine import Engine, RequestHandle
 from appliance.engine.request import Delta, Finished, GenerationRequest, RequestStats, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import ApiError, bad_request
-from appliance.server.limits import check_tokens
+from appliance.server.limits import check_tokens, default_tokens
 from appliance.server.openai import ENDED_BY_SERVER, cancel_on_disconnect, ended_by_server
 
 
@@ -62,13 +62,13 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
     if len(prompt) >= loaded.context_tokens:
         raise PromptTooLong(len(prompt), loaded.context_tokens)
     room = loaded.context_tokens - len(prompt)
-    default = room if fill_context else loaded.spec.default_max_tokens
+    default = default_tokens(room if fill_context else loaded.spec.default_max_tokens)
     request = GenerationRequest(
         prompt_tokens=tuple(prompt),
         max_tokens=min(max_tokens or default, room),
         sampling=sampling,
         stop=tuple(s for s in stop if s),
-        cache_group=tenant_group(cache_salt),
+        tenant=request_tenant(cache_salt),
         constraint=prepared.constraint,
     )
     return TurnRun(loaded=loaded, request=request, handle=engine.submit(request), parser=prepared.parser())

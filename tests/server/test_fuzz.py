@@ -40,6 +40,14 @@ def test_the_schema_is_served(fuzzed: Server):
     assert {"/v1/chat/completions", "/v1/messages", "/v1/responses", "/health"} <= set(served["paths"])
 
 
+def test_requests_naming_no_max_tokens_stay_within_the_limit(fuzzed: Server):
+    messages = [{"role": "user", "content": "Write a long story about a dragon."}]
+    chat = httpx.post(f"{fuzzed.url}/v1/chat/completions", json={"messages": messages}, timeout=120).json()
+    assert chat["usage"]["completion_tokens"] <= 4
+    anthropic = httpx.post(f"{fuzzed.url}/v1/messages", json={"messages": messages}, timeout=120).json()
+    assert anthropic["usage"]["output_tokens"] <= 4
+
+
 @SCHEMA.parametrize()
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from appliance.server.errors import ApiError
-from appliance.server.limits import REQUEST_LIMITS, KeyGate, Refused, check_tokens
+from appliance.server.limits import REQUEST_LIMITS, KeyGate, Refused, check_tokens, default_tokens
 from appliance.spec import LimitsSpec
 
 LIMITS = LimitsSpec(max_concurrent_per_key=2, max_queued_per_key=1)
@@ -51,6 +51,14 @@ def test_a_waiter_that_gives_up_leaves_the_queue():
         assert gate.in_flight("k") == (1, 0)
 
     asyncio.run(main())
+
+
+def test_a_request_naming_no_max_tokens_gets_the_default_within_the_limit():
+    token = REQUEST_LIMITS.set(LimitsSpec(max_tokens=50))
+    try:
+        assert default_tokens(512) == 50 and default_tokens(20) == 20
+    finally:
+        REQUEST_LIMITS.reset(token)
 
 
 def test_token_limits_name_their_key():
