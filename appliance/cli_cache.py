@@ -86,7 +86,7 @@ def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
 
 def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
     """Runs the command on the cache files directly (no server running)."""
-    from appliance.cache.model_cache import cache_group
+    from appliance.cache.model_cache import kv_tenant
     from appliance.cache.ssd import SsdTier
 
     spec = config.spec
@@ -102,8 +102,8 @@ def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
             prefix = model_dir(model_weights(config, args.model)) if args.model else None
             return {"removed_blocks": tier.clear(prefix), "model": args.model}
         if args.verb == "export":
-            group = tenant_dir(model_weights(config, args.model), cache_group(args.tenant))
-            return {"exported_blocks": tier.export(group, args.path), "path": str(args.path)}
+            dir = tenant_dir(model_weights(config, args.model), kv_tenant(args.tenant))
+            return {"exported_blocks": tier.export(dir, args.path), "path": str(args.path)}
         return {"imported_blocks": tier.import_archive(args.path), "path": str(args.path)}
 
 

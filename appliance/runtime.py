@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import platform
-from appliance.cache.keys import DEFAULT_GROUP, tenant_dir
+from appliance.cache.keys import DEFAULT_TENANT, tenant_dir
 from appliance.cache.kv import probe_layout
-from appliance.cache.model_cache import ModelCache, cache_group
+from appliance.cache.model_cache import ModelCache, kv_tenant
 from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
@@ -219,13 +219,13 @@ class Appliance:
         self.store.flush(timeout_s=60)
         return self.store.ssd
 
-    def export_cache(self, model: str | None, path: Path, *, tenant: str = DEFAULT_GROUP) -> int:
-        """Writes one tenant's SSD blocks of the model (no salted groups) to an archive;
+    def export_cache(self, model: str | None, path: Path, *, tenant: str = DEFAULT_TENANT) -> int:
+        """Writes one tenant's SSD blocks of the model (none of its salted KV) to an archive;
         returns how many."""
         entry = self.resolve(model)
         if entry.engine is None or entry.engine.cache is None:
             raise ModelUnavailable(f"model {entry.spec.name} has no cache to export (state {entry.state})")
-        return self._ssd().export(tenant_dir(entry.engine.cache.weights, cache_group(tenant)), path)
+        return self._ssd().export(tenant_dir(entry.engine.cache.weights, kv_tenant(tenant)), path)
 
     def import_cache(self, path: Path) -> int:
         """Verifies and stores the blocks of an archive; returns how many were imported."""
@@ -240,7 +240,7 @@ class Appliance:
         entry = self.resolve(model)
         if entry.engine is None or entry.engine.cache is None:
             return 0
-        return self.store.clear(entry.engine.cache.group_prefix)
+        return self.store.clear(entry.engine.cache.dir)
 
     def status(self) -> dict:
         return {

@@ -250,7 +250,7 @@ def instrument() -> None:
     timed(engine.Engine, "_save", "engine.save")
     timed(model_cache, "cut_blocks", "kv.cut_blocks")
     timed(store.KVStore, "save", "store.save")
-    timed(store, "to_payload", "store.to_payload")
+    timed(store, "to_bytes", "store.to_bytes")
     timed(model_cache, "build_batch_cache", "kv.build_batch_cache")
     _ = kv
 

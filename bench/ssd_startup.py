@@ -7,7 +7,7 @@ puts would spend minutes on fsyncs that startup never sees. Run:
     .venv/bin/python bench/ssd_startup.py [--blocks 100000] [--dir /path/on/the/ssd]
 
 Timings are with a warm page cache (dropping it needs root); a cold scandir on an SSD
-adds the directory reads, about 256 directories per group.
+adds the directory reads, about 256 directories per dir.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from appliance.cache.block import Block, encode_head, relative_path
 from appliance.cache.ssd import SsdTier
 
-GROUPS = ("a1b2c3d4e5f6a7b8/default", "a1b2c3d4e5f6a7b8/tenant2", "0f0e0d0c0b0a0908/default")
+DIRS = ("a1b2c3d4e5f6a7b8/default", "a1b2c3d4e5f6a7b8/tenant2", "0f0e0d0c0b0a0908/default")
 
 
 def build(root: Path, num_blocks: int) -> list[str]:
@@ -32,17 +32,17 @@ def build(root: Path, num_blocks: int) -> list[str]:
     SsdTier(root, budget_bytes=2**40).close()  # creates the index schema
     rows, dirs = [], set()
     for i in range(num_blocks):
-        group = GROUPS[i % len(GROUPS)]
-        block = Block(key=hashlib.sha256(b"%d" % i).digest(), parent=None, group=group,
+        dir = DIRS[i % len(DIRS)]
+        block = Block(key=hashlib.sha256(b"%d" % i).digest(), parent=b"root", dir=dir,
                       tokens=(i,), meta={}, payload=b"\0" * 16)
         head = encode_head(block)
-        rel = relative_path(group, block.key)
+        rel = relative_path(dir, block.key)
         path = root / rel
         if path.parent not in dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             dirs.add(path.parent)
         path.write_bytes(head + block.payload)
-        rows.append((rel, group, block.key, None, len(head) + 16, i + 1, i + 1))
+        rows.append((rel, dir, block.key, block.parent, len(head) + 16, i + 1, i + 1))
     db = sqlite3.connect(root / "index.sqlite")
     with db:
         db.executemany("INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)

@@ -10,7 +10,7 @@ In one run, on the filesystem of `--dir` (default: the temp dir):
    (`SsdTier.put`, fsync per block, as the writer does); then, after dropping the page cache
    each time, every block is read back with `SsdTier.get` (one read of the whole file, with
    O_DIRECT on Linux, then the header check and a crc32 over tokens and payload): on 1 thread, on 2 threads
-   (reads and crc32 release the GIL), and on 1 thread followed by `kv.from_payload` (the MLX
+   (reads and crc32 release the GIL), and on 1 thread followed by `kv.from_bytes` (the MLX
    arrays a restore builds). Finally the same 1-thread read right after a read (no drop: with
    O_DIRECT this is the disk again, or the host's cache on a VM; with buffered reads, the
    page cache).
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -193,15 +193,14 @@ class Stored:
 
 def fill_tier(tier, block, space, num_blocks: int) -> tuple[list[Stored], Measure]:
     """Stores the block's payload under `num_blocks` chained keys; returns them and the write throughput."""
-    from appliance.cache.block import Block
-    from appliance.cache.kv import to_payload
+    from appliance.cache.kv import to_bytes
 
-    meta, payload = to_payload(block)
+    as_bytes = to_bytes([block])[0]
     stored, parent = [], space.root
     started = time.perf_counter()
     for i in range(num_blocks):
         key = space.block_key(parent, block.tokens + (i,))  # distinct chained keys, as a long prompt has
-        if not tier.put(Block(key, parent, space.group, block.tokens, meta, payload)):
+        if not tier.put(replace(as_bytes, key=key, parent=parent)):
             raise RuntimeError(f"SsdTier.put refused block {i}: {tier.stats()}")
         stored.append(Stored(key, parent, block.tokens))
         parent = key
@@ -210,16 +209,16 @@ def fill_tier(tier, block, space, num_blocks: int) -> tuple[list[Stored], Measur
     return stored, write
 
 
-def read_all(tier, stored: list[Stored], group: str, *, threads: int, to_mlx: bool) -> int:
+def read_all(tier, stored: list[Stored], dir: str, *, threads: int, to_mlx: bool) -> int:
     """Reads (and verifies) every block, optionally building its MLX arrays; returns the bytes read."""
-    from appliance.cache.kv import from_payload
+    from appliance.cache.kv import from_bytes
 
     def one(s: Stored) -> int:
-        block = tier.get(s.key, group=group, tokens=s.tokens)
+        block = tier.get(s.key, dir=dir, tokens=s.tokens)
         if block is None:
             raise RuntimeError(f"block {s.key.hex()[:16]} missing or unverifiable: {tier.stats()['misses']}")
         if to_mlx:
-            from_payload(s.key, s.parent, s.tokens, block.meta, block.payload)
+            from_bytes(block)
         return block.payload_nbytes
 
     if threads == 1:
@@ -231,12 +230,12 @@ def read_all(tier, stored: list[Stored], group: str, *, threads: int, to_mlx: bo
 VARIANTS = (  # name, threads, build MLX arrays, cold
     ("SsdTier.get cold, 1 thread", 1, False, True),
     ("SsdTier.get cold, 2 threads", 2, False, True),
-    ("SsdTier.get + kv.from_payload (MLX arrays) cold, 1 thread", 1, True, True),
+    ("SsdTier.get + kv.from_bytes (MLX arrays) cold, 1 thread", 1, True, True),
     ("SsdTier.get again, no drop (O_DIRECT: disk again; buffered: page cache), 1 thread", 1, False, False),
 )
 
 
-def measure_tier_once(tier, stored: list[Stored], group: str, files: list[Path], measures: dict[str, Measure],
+def measure_tier_once(tier, stored: list[Stored], dir: str, files: list[Path], measures: dict[str, Measure],
                       read_gbps: dict[str, list[float]], payload_bytes: int) -> str:
     """Reads every block once per variant; returns the page-cache drop method."""
     method = ""
@@ -245,12 +244,12 @@ def measure_tier_once(tier, stored: list[Stored], group: str, files: list[Path],
         if cold:
             method = drop_page_cache(files)
         else:
-            read_all(tier, stored, group, threads=1, to_mlx=False)  # fills the page cache, if used
+            read_all(tier, stored, dir, threads=1, to_mlx=False)  # fills the page cache, if used
         m.resident_before.append(resident_bytes(files))
         before = tier.stats()
         meter = Meter()
         started = time.perf_counter()
-        payload = read_all(tier, stored, group, threads=threads, to_mlx=to_mlx)
+        payload = read_all(tier, stored, dir, threads=threads, to_mlx=to_mlx)
         m.seconds.append(time.perf_counter() - started)
         m.foreign_cpu.append(meter.share())
         after = tier.stats()
@@ -286,7 +285,7 @@ def measure(work: Path, model_dir: Path, plan: Plan) -> tuple[list[Measure], lis
         for i in range(plan.repeats):
             log(f"repeat {i + 1} of {plan.repeats}")
             methods.add(measure_dd_once(work / "dd.bin", disk))
-            methods.add(measure_tier_once(tier, stored, space.group, files, measures, read_gbps,
+            methods.add(measure_tier_once(tier, stored, space.dir, files, measures, read_gbps,
                                           num_blocks * block.nbytes))
     for name, values in read_gbps.items():
         measures[name].notes = f"tier read_gbps (file reads only, per thread): {statistics.median(values):.2f}"

@@ -1,4 +1,4 @@
-"""A KV block and its on-disk form: magic, version, JSON header, then the raw payload.
+"""A KV block as bytes, and its on-disk form: magic, version, JSON header, then the payload.
 
 File layout (all integers little-endian):
 
@@ -6,7 +6,7 @@ File layout (all integers little-endian):
     offset 8   u32       FORMAT_VERSION
     offset 12  u32       header_nbytes (JSON, padded with spaces so the payload starts
                          at a multiple of PAYLOAD_ALIGN)
-    offset 16  header    {"key", "parent", "group", "tokens", "meta",
+    offset 16  header    {"key", "parent", "dir", "tokens", "meta",
                           "payload_nbytes", "checksum"}
     ...        payload   payload_nbytes raw bytes, nothing after them
 """
@@ -27,11 +27,11 @@ import numpy as np
 import orjson
 
 MAGIC = b"OMLXKV\r\n"  # \r\n catches a file mangled by text-mode transfers
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "group" became "dir", and a first block's parent is the root key
 PRELUDE = struct.Struct("<8sII")  # magic, version, header_nbytes
 PAYLOAD_ALIGN = 64  # payload offset aligned for any dtype view over the read buffer
-# Segments may not start with "." so a group can never be "..", "." or a hidden dir.
-_GROUP_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
+# Segments may not start with "." so a dir can never be "..", "." or a hidden dir.
+_DIR_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
 
 # Reasons a stored block is not served; each is a miss counted by the tier.
 CORRUPT = "corrupt"
@@ -44,9 +44,12 @@ VERSION = "version"
 
 @dataclass(frozen=True)
 class Block:
+    """A KV block as bytes: what the host tier holds, the SSD stores and archives carry
+    (kv.KVBlock is the same block as MLX arrays)."""
+
     key: bytes  # chained hash computed by the caller; opaque here
-    parent: bytes | None  # key of the previous block of the prefix, None for the first
-    group: str  # namespace (model fingerprint + tenant), also a directory path
+    parent: bytes  # key of the previous block of the prefix; the key space's root for the first
+    dir: str  # where its file lives under the tier root (model fingerprint + tenant)
     tokens: tuple[int, ...]  # the block's token ids, compared on every hit
     meta: dict  # small JSON-able dict, opaque to the tier
     payload: bytes | memoryview = field(repr=False)  # the KV bytes
@@ -54,8 +57,10 @@ class Block:
     def __post_init__(self) -> None:
         if not self.key:
             raise ValueError("block key is empty")
-        if not is_valid_group(self.group):
-            raise ValueError(f"invalid cache group {self.group!r}: use [A-Za-z0-9._/-] "
+        if not self.parent:
+            raise ValueError("block parent is empty: a first block's parent is the root key")
+        if not is_valid_dir(self.dir):
+            raise ValueError(f"invalid cache dir {self.dir!r}: use [A-Za-z0-9._/-] "
                              "segments that do not start with '.'")
 
     @property
@@ -73,17 +78,17 @@ class BlockError(Exception):
         self.reason = reason
 
 
-def is_valid_group(group: str) -> bool:
-    """Returns whether `group` is safe to use as a relative directory path."""
+def is_valid_dir(dir: str) -> bool:
+    """Returns whether `dir` is safe to use as a relative directory path."""
     # Segments named like block or temp files would be taken for files by the startup scan.
-    return (_GROUP_RE.fullmatch(group) is not None
-            and not any(s.endswith((".kv", ".tmp")) for s in group.split("/")))
+    return (_DIR_RE.fullmatch(dir) is not None
+            and not any(s.endswith((".kv", ".tmp")) for s in dir.split("/")))
 
 
-def relative_path(group: str, key: bytes) -> str:
-    """Returns the block file's path relative to the tier root: group/kk/key.kv."""
+def relative_path(dir: str, key: bytes) -> str:
+    """Returns the block file's path relative to the tier root: dir/kk/key.kv."""
     h = key.hex()
-    return f"{group}/{h[:2]}/{h}.kv"
+    return f"{dir}/{h[:2]}/{h}.kv"
 
 
 def checksum(tokens: tuple[int, ...], payload: bytes | memoryview) -> int:
@@ -102,8 +107,8 @@ def encode_head(block: Block) -> bytes:
     """Returns the prelude and padded JSON header; the payload follows them in the file."""
     header = orjson.dumps({
         "key": block.key.hex(),
-        "parent": None if block.parent is None else block.parent.hex(),
-        "group": block.group,
+        "parent": block.parent.hex(),
+        "dir": block.dir,
         "tokens": list(block.tokens),
         "meta": block.meta,
         "payload_nbytes": block.payload_nbytes,
@@ -114,7 +119,7 @@ def encode_head(block: Block) -> bytes:
     return PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
 
-def decode(data: memoryview, *, key: bytes, group: str,
+def decode(data: memoryview, *, key: bytes, dir: str,
            tokens: tuple[int, ...] | None) -> Block:
     """Returns the verified block stored in `data` (a whole file); raises BlockError.
 
@@ -132,8 +137,8 @@ def decode(data: memoryview, *, key: bytes, group: str,
     if len(data) < start:
         raise BlockError(TRUNCATED, "header cut short")
     header = _parse_header(data[PRELUDE.size:start])
-    if header["key"] != key.hex() or header["group"] != group:
-        raise BlockError(FOREIGN, f"holds {header['group']}/{header['key'][:16]}")
+    if header["key"] != key.hex() or header["dir"] != dir:
+        raise BlockError(FOREIGN, f"holds {header['dir']}/{header['key'][:16]}")
     end = start + header["payload_nbytes"]
     if len(data) < end:
         raise BlockError(TRUNCATED, f"{len(data)} of {end} bytes")
@@ -149,9 +154,8 @@ def decode(data: memoryview, *, key: bytes, group: str,
         raise BlockError(CORRUPT, "token ids out of range") from None
     if expected != header["checksum"]:
         raise BlockError(CORRUPT, "checksum mismatch")
-    parent = header["parent"]
-    return Block(key=key, parent=None if parent is None else bytes.fromhex(parent),
-                 group=group, tokens=stored_tokens, meta=header["meta"], payload=payload)
+    return Block(key=key, parent=bytes.fromhex(header["parent"]), dir=dir, tokens=stored_tokens,
+                 meta=header["meta"], payload=payload)
 
 
 def _parse_header(raw: memoryview) -> dict:
@@ -159,15 +163,15 @@ def _parse_header(raw: memoryview) -> dict:
         header = orjson.loads(raw)
         ok = (isinstance(header, dict)
               and isinstance(header.get("key"), str)
-              and isinstance(header.get("group"), str)
-              and (header.get("parent") is None or isinstance(header["parent"], str))
+              and isinstance(header.get("dir"), str)
+              and isinstance(header.get("parent"), str) and header["parent"] != ""
               and isinstance(header.get("tokens"), list)
               and all(isinstance(t, int) for t in header["tokens"])
               and isinstance(header.get("meta"), dict)
               and isinstance(header.get("payload_nbytes"), int)
               and header["payload_nbytes"] >= 0
               and isinstance(header.get("checksum"), int))
-        if header.get("parent") is not None:
+        if ok:
             bytes.fromhex(header["parent"])
     except (orjson.JSONDecodeError, ValueError) as e:
         raise BlockError(CORRUPT, f"unreadable header: {e}") from None
@@ -251,7 +255,7 @@ def _read_direct(fd: int) -> memoryview:
     return buf[:done]
 
 
-def read_tokens(path: Path, *, key: bytes, group: str) -> tuple[int, ...] | None:
+def read_tokens(path: Path, *, key: bytes, dir: str) -> tuple[int, ...] | None:
     """Returns the token ids in a block file's header (a small read), or None if unreadable."""
     try:
         with open(path, "rb") as f:
@@ -264,6 +268,6 @@ def read_tokens(path: Path, *, key: bytes, group: str) -> tuple[int, ...] | None
             header = _parse_header(memoryview(f.read(header_nbytes)))
     except (OSError, BlockError):
         return None
-    if header["key"] != key.hex() or header["group"] != group:
+    if header["key"] != key.hex() or header["dir"] != dir:
         return None
     return tuple(header["tokens"])

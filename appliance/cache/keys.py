@@ -1,7 +1,7 @@
 """Block keys: a chained hash of token blocks, rooted in what makes KV reusable at all.
 
 The root covers the model's weights (content), compute dtype, KV layout, block size,
-on-disk format and the tenant's cache group, so a key can never match KV written by
+on-disk format and the tenant, so a key can never match KV written by
 other weights, another layout or another tenant. Each block's key hashes its parent's
 key with its token ids, so equal keys mean equal prefixes (and hits still compare the
 stored token ids, so a collision cannot serve wrong KV).
@@ -18,7 +18,7 @@ import orjson
 
 from appliance.cache.block import FORMAT_VERSION
 
-DEFAULT_GROUP = "default"
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,10 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """Where a model's blocks live: its root key and its group (the SSD directory)."""
+    """Where a model's blocks live: its root key and its dir (the SSD directory)."""
 
     root: bytes
-    group: str
+    dir: str
     block_tokens: int
 
     def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -59,7 +59,7 @@ class KeySpace:
 
 
 def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_tokens: int,
-              tenant: str = DEFAULT_GROUP) -> KeySpace:
+              tenant: str = DEFAULT_TENANT) -> KeySpace:
     """Returns the key space of a model's KV for one tenant."""
     identity = {
         "format": FORMAT_VERSION,
@@ -71,7 +71,7 @@ def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_token
     }
     root = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).digest()
     # The directory names the weights and tenant for people; the root keys everything else.
-    return KeySpace(root=root, group=tenant_dir(weights, tenant), block_tokens=block_tokens)
+    return KeySpace(root=root, dir=tenant_dir(weights, tenant), block_tokens=block_tokens)
 
 
 def model_dir(weights: str) -> str:
@@ -79,6 +79,6 @@ def model_dir(weights: str) -> str:
     return weights[:16]
 
 
-def tenant_dir(weights: str, tenant: str = DEFAULT_GROUP) -> str:
-    """Returns the cache group (SSD directory) of one tenant's blocks of a model."""
+def tenant_dir(weights: str, tenant: str = DEFAULT_TENANT) -> str:
+    """Returns the SSD directory of one tenant's blocks of a model."""
     return f"{model_dir(weights)}/{tenant}"

@@ -1,4 +1,5 @@
-"""KV blocks in MLX: cut from a request's cache, rebuilt into one, and (de)serialized.
+"""KV blocks as MLX arrays: cut from a request's cache, rebuilt into one, and turned into
+bytes blocks (block.Block) and back.
 
 A block holds `block_tokens` tokens (or fewer, for a prompt's tail) of every layer's keys
 and values, stacked as [layers, kv_heads, tokens, head_dim]: one contiguous array each,
@@ -15,14 +16,19 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from appliance.cache.block import Block
 from appliance.cache.keys import KeySpace, KVLayout
 from appliance.engine.mlxlm_seam import BatchCache, set_size
 
 
 @dataclass(frozen=True)
 class KVBlock:
+    """A KV block as MLX arrays: what the memory tier holds and a restore concatenates
+    (block.Block is the same block as bytes)."""
+
     key: bytes
-    parent: bytes
+    parent: bytes  # the key space's root for the first block
+    dir: str  # where its file lives on the SSD (KeySpace.dir)
     tokens: tuple[int, ...]
     keys: mx.array  # [layers, kv_heads, tokens, k_head_dim]
     values: mx.array  # [layers, kv_heads, tokens, v_head_dim]
@@ -73,7 +79,7 @@ def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip
             end = start + len(piece)
             keys = mx.stack([c.keys[0, :, start:end, :] for c in cache])
             values = mx.stack([c.values[0, :, start:end, :] for c in cache])
-            blocks.append(KVBlock(key, parent, tuple(piece), keys, values))
+            blocks.append(KVBlock(key, parent, space.dir, tuple(piece), keys, values))
         parent = key
     mx.eval([(blk.keys, blk.values) for blk in blocks])
     return blocks
@@ -113,34 +119,40 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCac
     return caches
 
 
-def to_payload(block: KVBlock) -> tuple[dict, mx.array]:
-    """Returns the block's meta and its keys+values as one uint8 MLX array (not yet
-    evaluated: evaluate many at once).
+def to_bytes(blocks: list[KVBlock]) -> list[Block]:
+    """Returns `blocks` as bytes, each payload its keys+values copied by MLX into one uint8
+    array, all evaluated in one wait.
 
     The copy is made by MLX (on a GPU: by the device) and read through the buffer
     protocol by whoever writes it out, so the calling engine thread never waits for the
     bytes to cross to the host (on an H200 that took ~2 s for a 25K-token prompt's blocks,
-    stalling decoding). Another thread may read it only once it is evaluated.
+    stalling decoding).
     """
-    payload = mx.concatenate([block.keys.view(mx.uint8).reshape(-1), block.values.view(mx.uint8).reshape(-1)])
-    meta = {"dtype": str(block.keys.dtype).removeprefix("mlx.core."),
+    payloads = [mx.concatenate([b.keys.view(mx.uint8).reshape(-1), b.values.view(mx.uint8).reshape(-1)])
+                for b in blocks]
+    mx.eval(payloads)
+    return [Block(b.key, b.parent, b.dir, b.tokens, _meta(b), memoryview(p)) for b, p in zip(blocks, payloads)]
+
+
+def _meta(block: KVBlock) -> dict:
+    return {"dtype": str(block.keys.dtype).removeprefix("mlx.core."),
             "k_shape": list(block.keys.shape), "v_shape": list(block.values.shape),
             "k_nbytes": block.keys.nbytes}
-    return meta, payload
 
 
-def from_payload(key: bytes, parent: bytes, tokens: tuple[int, ...], meta: dict,
-                 payload: bytes | memoryview) -> KVBlock:
-    """Returns the block a payload serializes; raises ValueError when it does not fit its meta."""
+def from_bytes(block: Block) -> KVBlock:
+    """Returns the block as MLX arrays; raises ValueError when its payload does not fit its
+    meta (KeyError, AttributeError when the meta is not one `to_bytes` wrote)."""
+    meta = block.meta
     dtype = getattr(mx, meta["dtype"])
-    raw = np.frombuffer(payload, dtype=np.uint8)
+    raw = np.frombuffer(block.payload, dtype=np.uint8)
     split = meta["k_nbytes"]
     keys = _array_of(raw[:split], dtype, meta["k_shape"])
     values = _array_of(raw[split:], dtype, meta["v_shape"])
-    if keys.shape[2] != len(tokens) or values.shape[2] != len(tokens):
+    if keys.shape[2] != len(block.tokens) or values.shape[2] != len(block.tokens):
         raise ValueError("payload shape does not match the block's tokens")
     mx.eval(keys, values)
-    return KVBlock(key, parent, tokens, keys, values)
+    return KVBlock(block.key, block.parent, block.dir, block.tokens, keys, values)
 
 
 def _array_of(raw: np.ndarray, dtype: mx.Dtype, shape: list[int]) -> mx.array:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space, model_dir
+from appliance.cache.keys import DEFAULT_TENANT, KeySpace, KVLayout, key_space, model_dir
 from appliance.cache.kv import build_batch_cache, cut_blocks
 from appliance.cache.store import SSD, KVStore
 
@@ -34,7 +34,7 @@ class Hit:
 @dataclass(frozen=True)
 class Lookup:
     hits: tuple[Hit, ...] = ()
-    tenant: str = DEFAULT_GROUP
+    tenant: str = DEFAULT_TENANT
 
     @property
     def num_tokens(self) -> int:
@@ -63,22 +63,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 # The tenant of the request being served: its API key's, set by the server's auth
 # (appliance.server.guard) for the task serving the request; the default tenant elsewhere.
-REQUEST_TENANT: ContextVar[str] = ContextVar("omlx_request_tenant", default=DEFAULT_GROUP)
+REQUEST_TENANT: ContextVar[str] = ContextVar("omlx_request_tenant", default=DEFAULT_TENANT)
 
 
-def cache_group(tenant: str, salt: str | None = None) -> str:
-    """Returns the cache group of a tenant's requests, narrowed by a `cache_salt`: groups
-    never share blocks, and no salt reaches another tenant's group (tenant names have no
-    '.', salts are hashed)."""
+def kv_tenant(tenant: str, salt: str | None = None) -> str:
+    """Returns whose KV a tenant's requests read and write, narrowed by a `cache_salt`:
+    KV tenants never share blocks, and no salt reaches another tenant's KV (tenant names
+    have no '.', salts are hashed)."""
     salted = "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:24] if salt else None
-    if tenant == DEFAULT_GROUP:
-        return salted or DEFAULT_GROUP
+    if tenant == DEFAULT_TENANT:
+        return salted or DEFAULT_TENANT
     return f"tenant-{tenant}" + (f".{salted}" if salted else "")
 
 
-def tenant_group(salt: str | None) -> str:
-    """Returns the cache group of the request being served, with its `cache_salt`."""
-    return cache_group(REQUEST_TENANT.get(), salt)
+def request_tenant(salt: str | None) -> str:
+    """Returns the KV tenant of the request being served, with its `cache_salt`."""
+    return kv_tenant(REQUEST_TENANT.get(), salt)
 
 
 class ModelCache:
@@ -95,7 +95,7 @@ class ModelCache:
         self.counters: Counter = Counter()
 
     @property
-    def group_prefix(self) -> str:
+    def dir(self) -> str:
         """The SSD directory of every tenant of this model."""
         return model_dir(self.weights)
 
@@ -105,7 +105,7 @@ class ModelCache:
                 self._spaces[tenant] = key_space(tenant=tenant, **self._identity)
             return self._spaces[tenant]
 
-    def lookup(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP) -> Lookup:
+    def lookup(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT) -> Lookup:
         """Returns the longest cached prefix of `tokens`, at most all but the last token."""
         space = self.space(tenant)
         limit, b = len(tokens) - 1, self.block_tokens
@@ -114,24 +114,24 @@ class ModelCache:
         while start + b <= limit:
             piece = tuple(tokens[start:start + b])
             key = space.block_key(parent, piece)
-            tier = self.store.tier_of(key, space.group)
+            tier = self.store.tier_of(key, space.dir)
             if tier is None:
                 break
             hits.append(Hit(key, parent, piece, tier, b))
             parent, start = key, start + b
-        tail = self._longest_child(parent, tuple(tokens[start:start + b]), space.group, limit - start)
+        tail = self._longest_child(parent, tuple(tokens[start:start + b]), space.dir, limit - start)
         if tail is not None:
             hits.append(tail)
         return Lookup(tuple(hits), tenant)
 
-    def _longest_child(self, parent: bytes, rest: tuple[int, ...], group: str, room: int) -> Hit | None:
+    def _longest_child(self, parent: bytes, rest: tuple[int, ...], dir: str, room: int) -> Hit | None:
         """Returns the stored block after `parent` sharing the longest token prefix with `rest`.
 
         KV of a block's first k tokens is valid whatever followed them, so a block saved
         by another turn (other question, other answer) still serves the shared part.
         """
         best: Hit | None = None
-        for key, (stored, tier) in self.store.children(parent, group).items():
+        for key, (stored, tier) in self.store.children(parent, dir).items():
             use = min(common_prefix(stored, rest), room)
             if use > 0 and (best is None or use > best.use_tokens):
                 best = Hit(key, parent, stored, tier, use)
@@ -155,29 +155,29 @@ class ModelCache:
             self.counters["recompute_chosen"] += 1
         return lookup.truncated(best)
 
-    def restorable(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+    def restorable(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
                    prefill_tok_s: float | None, count: bool = True) -> Lookup:
         """Returns the cached prefix of `tokens` whose restore beats recomputing it."""
         return self.worth_restoring(self.lookup(tokens, tenant=tenant), prefill_tok_s=prefill_tok_s,
                                     count=count)
 
-    def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+    def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
                  prefill_tok_s: float | None = None) -> int:
         """Reads the SSD blocks worth restoring into host RAM; returns how many."""
         lookup = self.restorable(tokens, tenant=tenant, prefill_tok_s=prefill_tok_s, count=False)
         wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
-        return self.store.prefetch(wanted, group=self.space(tenant).group) if wanted else 0
+        return self.store.prefetch(wanted, dir=self.space(tenant).dir) if wanted else 0
 
     def restore(self, lookup: Lookup, *, prompt_tokens: int) -> Restored:
         """Returns a ready prompt cache holding the looked-up prefix (engine thread only)."""
-        group = self.space(lookup.tenant).group
+        dir = self.space(lookup.tenant).dir
         blocks, tiers, used = [], Counter(), 0
         for hit in lookup.hits:
-            got = self.store.fetch(hit.key, group=group, parent=hit.parent, tokens=hit.tokens)
-            if got is None:
+            fetched = self.store.fetch(hit.key, dir=dir, tokens=hit.tokens)
+            if fetched is None:
                 break  # lost or corrupt since the lookup: restore what precedes it
-            blocks.append(got[0])
-            tiers[got[1]] += hit.use_tokens
+            blocks.append(fetched.block)
+            tiers[fetched.tier] += hit.use_tokens
             used += hit.use_tokens
         self.counters["lookups"] += 1
         self.counters["prompt_tokens"] += prompt_tokens
@@ -187,7 +187,7 @@ class ModelCache:
             return Restored(None, 0, {})
         return Restored(build_batch_cache(blocks, used), used, dict(tiers))
 
-    def save(self, cache: list[KVCache], tokens: Sequence[int], *, tenant: str = DEFAULT_GROUP,
+    def save(self, cache: list[KVCache], tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
              skip_tokens: int = 0) -> int:
         """Stores the blocks of `tokens` that `cache` holds and the store lacks; returns how many."""
         space = self.space(tenant)
@@ -195,8 +195,8 @@ class ModelCache:
         if not tokens:
             return 0
         blocks = cut_blocks(cache, tokens, space, skip_tokens=skip_tokens,
-                            is_known=lambda key: self.store.tier_of(key, space.group) is not None)
-        self.store.save(blocks, group=space.group)
+                            is_known=lambda key: self.store.tier_of(key, space.dir) is not None)
+        self.store.save(blocks)
         self.counters["saved_blocks"] += len(blocks)
         return len(blocks)
 
@@ -205,4 +205,4 @@ class ModelCache:
         prompt = c["prompt_tokens"]
         return {**dict(c), "hit_ratio": round(c["hit_tokens"] / prompt, 4) if prompt else None,
                 "block_tokens": self.block_tokens, "bytes_per_token": self.layout.bytes_per_token,
-                "group": self.group_prefix}
+                "dir": self.dir}

@@ -1,6 +1,6 @@
 """The SSD tier: one crash-safe file per block under a byte budget, evicted LRU.
 
-Layout: `<root>/<group>/<kk>/<key hex>.kv` (format in block.py), the index in
+Layout: `<root>/<dir>/<kk>/<key hex>.kv` (format in block.py), the index in
 `<root>/index.sqlite`, and `<root>/lock`, held with flock so that two processes never
 share a root. All methods are thread-safe; file reads and writes run outside the lock, so
 a put of a 50 MB block never holds up a concurrent get.
@@ -33,7 +33,7 @@ from appliance.cache.block import (
     decode,
     encode_head,
     fsync_dir,
-    is_valid_group,
+    is_valid_dir,
     read_file,
     read_tokens,
     relative_path,
@@ -78,37 +78,37 @@ class SsdTier:
         self._lock_fd: int | None = None
         self._index = self._open()
 
-    def contains(self, key: bytes, *, group: str) -> bool:
+    def contains(self, key: bytes, *, dir: str) -> bool:
         """Returns whether the block is indexed (no file I/O; get still verifies it)."""
         with self._lock:
-            return self._index.contains(group, key)
+            return self._index.contains(dir, key)
 
-    def longest_prefix(self, keys: list[bytes], *, group: str) -> int:
+    def longest_prefix(self, keys: list[bytes], *, dir: str) -> int:
         """Returns how many of the leading `keys` are indexed (no file I/O)."""
         with self._lock:
             for n, key in enumerate(keys):
-                if not self._index.contains(group, key):
+                if not self._index.contains(dir, key):
                     return n
             return len(keys)
 
-    def children(self, parent: bytes, *, group: str, limit: int = 32) -> list[tuple[bytes, tuple[int, ...]]]:
+    def children(self, parent: bytes, *, dir: str, limit: int = 32) -> list[tuple[bytes, tuple[int, ...]]]:
         """Returns (key, tokens) of the blocks that follow `parent`: header reads only."""
         with self._lock:
-            entries = self._index.children(group, parent, limit=limit)
+            entries = self._index.children(dir, parent, limit=limit)
         found = []
         for entry in entries:
-            tokens = read_tokens(self.root / entry.path, key=entry.key, group=group)
+            tokens = read_tokens(self.root / entry.path, key=entry.key, dir=dir)
             if tokens is not None:
                 found.append((entry.key, tokens))
         return found
 
-    def get(self, key: bytes, *, group: str, tokens: Sequence[int]) -> Block | None:
+    def get(self, key: bytes, *, dir: str, tokens: Sequence[int]) -> Block | None:
         """Returns the verified block, or None (a counted miss; a bad file is removed).
 
         Blocks the caller for one sequential read of the file and a crc32 over it.
         """
         with self._lock:
-            entry = self._index.get(group, key)
+            entry = self._index.get(dir, key)
             if entry is None:
                 self._counters.misses[ABSENT] += 1
                 return None
@@ -129,7 +129,7 @@ class SsdTier:
         with self._lock:
             if self._disabled_reason is not None:
                 return False
-            entry = self._index.get(block.group, block.key)
+            entry = self._index.get(block.dir, block.key)
             if entry is not None:  # keys are content hashes: same key, same bytes
                 self._touch(entry)
                 return True
@@ -140,7 +140,7 @@ class SsdTier:
                 self._counters.refused += 1
                 return False
             self._reserved += nbytes
-        path = self.root / relative_path(block.group, block.key)
+        path = self.root / relative_path(block.dir, block.key)
         try:
             self._ensure_dir(path.parent)
             write_atomic(path, head, block.payload)
@@ -161,20 +161,20 @@ class SsdTier:
             self._budget = budget_bytes
             self._evict_until(budget_bytes)
 
-    def clear(self, group: str | None = None) -> int:
-        """Returns the number of blocks removed: those of `group` and groups below it, or all."""
-        if group is not None and not is_valid_group(group):
-            raise ValueError(f"invalid cache group {group!r}")
+    def clear(self, dir: str | None = None) -> int:
+        """Returns the number of blocks removed: those under `dir` (its subdirs too), or all."""
+        if dir is not None and not is_valid_dir(dir):
+            raise ValueError(f"invalid cache dir {dir!r}")
         with self._lock:
             try:
-                paths = self._index.remove_under(group)
+                paths = self._index.remove_under(dir)
             except sqlite3.Error as e:
                 self._disable(f"index: {e}")
                 return 0
             for rel in paths:
                 unlink_quietly(self.root / rel)
             self._dirs.clear()
-        _prune_empty_dirs(self.root if group is None else self.root / group, self.root)
+        _prune_empty_dirs(self.root if dir is None else self.root / dir, self.root)
         return len(paths)
 
     def stats(self) -> dict:
@@ -215,14 +215,14 @@ class SsdTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def export(self, group: str, dest: Path) -> int:
-        """Returns the number of blocks of `group` written to the tar archive `dest`.
+    def export(self, dir: str, dest: Path) -> int:
+        """Returns the number of blocks of `dir` written to the tar archive `dest`.
 
         Each file is verified as it is read, so a damaged block is dropped, not exported.
-        Blocks the caller for reading every block of the group.
+        Blocks the caller for reading every block of the dir.
         """
         with self._lock:
-            entries = self._index.of_group(group)
+            entries = self._index.of_dir(dir)
         dest = Path(dest)
         tmp = dest.with_name(dest.name + ".tmp")
         exported: list[str] = []
@@ -234,7 +234,7 @@ class SsdTier:
                         _add_member(tar, f"blocks/{entry.key.hex()}.kv", loaded[0])
                         exported.append(entry.key.hex())
                 manifest = {"format": ARCHIVE_FORMAT, "version": FORMAT_VERSION,
-                            "group": group, "blocks": exported}
+                            "dir": dir, "blocks": exported}
                 _add_member(tar, "manifest.json", orjson.dumps(manifest))
             os.replace(tmp, dest)
         except BaseException:
@@ -245,7 +245,7 @@ class SsdTier:
     def import_archive(self, src: Path) -> int:
         """Returns the number of blocks imported from an archive written by export.
 
-        Every member is verified (checksum, key, group) before it is stored; bad members
+        Every member is verified (checksum, key, dir) before it is stored; bad members
         are skipped and counted in stats()["import_rejected"]. Raises ValueError when
         `src` is not such an archive.
         """
@@ -253,11 +253,11 @@ class SsdTier:
         try:
             with tarfile.open(src, "r:") as tar:
                 members = tar.getmembers()
-                group, listed = _read_manifest(tar, members)
+                dir, listed = _read_manifest(tar, members)
                 for member in members:
                     if member.name == "manifest.json":
                         continue
-                    block = self._verify_member(tar, member, group, listed)
+                    block = self._verify_member(tar, member, dir, listed)
                     if block is None:
                         with self._lock:
                             self._counters.import_rejected += 1
@@ -304,7 +304,7 @@ class SsdTier:
             self._counters.read_bytes += len(data)
             self._counters.read_s += elapsed
         try:
-            return data, decode(data, key=entry.key, group=entry.group,
+            return data, decode(data, key=entry.key, dir=entry.dir,
                                 tokens=tokens)
         except BlockError as e:
             self._drop(entry, e.reason, str(e))
@@ -349,7 +349,7 @@ class SsdTier:
 
     def _index_written(self, block: Block, nbytes: int, path: Path) -> bool:
         try:
-            self._index.add(block.group, block.key, block.parent, nbytes)
+            self._index.add(block.dir, block.key, block.parent, nbytes)
         except sqlite3.Error as e:
             unlink_quietly(path)
             self._counters.write_errors += 1
@@ -357,7 +357,7 @@ class SsdTier:
             return False
         self._counters.writes += 1
         self._evict_until(self._budget)  # the budget may have been lowered meanwhile
-        return self._index.contains(block.group, block.key)
+        return self._index.contains(block.dir, block.key)
 
     def _ensure_dir(self, directory: Path) -> None:
         if directory in self._dirs:
@@ -388,7 +388,7 @@ class SsdTier:
             self._disabled_reason = reason
             log.warning("SSD cache tier disabled (%s); stored blocks remain readable", reason)
 
-    def _verify_member(self, tar: tarfile.TarFile, member: tarfile.TarInfo, group: str,
+    def _verify_member(self, tar: tarfile.TarFile, member: tarfile.TarInfo, dir: str,
                        listed: set[str]) -> Block | None:
         match = _MEMBER_RE.fullmatch(member.name)
         if not member.isreg() or match is None or match[1] not in listed:
@@ -399,7 +399,7 @@ class SsdTier:
             return None
         data = tar.extractfile(member).read()  # type: ignore[union-attr]
         try:
-            return decode(memoryview(data), key=bytes.fromhex(match[1]), group=group,
+            return decode(memoryview(data), key=bytes.fromhex(match[1]), dir=dir,
                           tokens=None)
         except BlockError as e:
             log.warning("archive member %s rejected: %s", member.name, e)
@@ -408,20 +408,20 @@ class SsdTier:
 
 def _read_manifest(tar: tarfile.TarFile, members: list[tarfile.TarInfo]
                    ) -> tuple[str, set[str]]:
-    """Returns the archive's group and listed key hexes; raises ValueError if unusable."""
+    """Returns the archive's dir and listed key hexes; raises ValueError if unusable."""
     member = next((m for m in members if m.name == "manifest.json" and m.isreg()), None)
     if member is None:
         raise ValueError("not an omlx cache archive: no manifest.json")
     try:
         manifest = orjson.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
-        group, listed = manifest["group"], set(manifest["blocks"])
-        ok = manifest["format"] == ARCHIVE_FORMAT and isinstance(group, str)
+        dir, listed = manifest["dir"], set(manifest["blocks"])
+        ok = manifest["format"] == ARCHIVE_FORMAT and isinstance(dir, str)
     except (orjson.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable manifest.json: {e}") from None
     if not ok or manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"unsupported archive: {manifest.get('format')} "
                          f"version {manifest.get('version')}")
-    return group, listed
+    return dir, listed
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -451,4 +451,4 @@ def _prune_empty_dirs(top: Path, root: Path) -> None:
             try:
                 os.rmdir(dirpath)
             except OSError:
-                pass  # not empty: a block of another group, or a concurrent put
+                pass  # not empty: a block of another dir, or a concurrent put

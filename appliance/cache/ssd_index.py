@@ -19,15 +19,15 @@ from appliance.cache.block import relative_path
 
 log = logging.getLogger("omlx.cache")
 
-SCHEMA_VERSION = 2
-# The path is the key: it is a function of (group, key), and a range over it selects a
-# group and everything below it.
+SCHEMA_VERSION = 3  # 3: the "grp" column became "dir", and parent is never NULL
+# The path is the key: it is a function of (dir, key), and a range over it selects a
+# dir and everything below it.
 _SCHEMA = (
     """CREATE TABLE blocks (
         path TEXT PRIMARY KEY,
-        grp TEXT NOT NULL,
+        dir TEXT NOT NULL,
         key BLOB NOT NULL,
-        parent BLOB,
+        parent BLOB NOT NULL,
         nbytes INTEGER NOT NULL,
         last_used INTEGER NOT NULL,
         written INTEGER NOT NULL
@@ -35,16 +35,16 @@ _SCHEMA = (
     "CREATE INDEX blocks_lru ON blocks (last_used)",
 )
 # Added after the first schema: created on open when missing (children of a block).
-_PARENT_INDEX = "CREATE INDEX IF NOT EXISTS blocks_parent ON blocks (grp, parent)"
-_COLUMNS = "path, grp, key, parent, nbytes, written"
+_PARENT_INDEX = "CREATE INDEX IF NOT EXISTS blocks_parent ON blocks (dir, parent)"
+_COLUMNS = "path, dir, key, parent, nbytes, written"
 
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
     path: str  # relative to the tier root
-    group: str
+    dir: str
     key: bytes
-    parent: bytes | None
+    parent: bytes
     nbytes: int  # the whole file, so accounting matches the disk
     written: int  # when the row was written: tells a re-put block from the one we read
 
@@ -74,22 +74,22 @@ class SsdIndex:
         self._clock = self._db.execute("SELECT max(last_used) FROM blocks").fetchone()[0] or 0
         self.num_blocks, self.total_bytes = self._count()
 
-    def get(self, group: str, key: bytes) -> IndexEntry | None:
-        """Returns the entry of (group, key), or None when it is not indexed."""
+    def get(self, dir: str, key: bytes) -> IndexEntry | None:
+        """Returns the entry of (dir, key), or None when it is not indexed."""
         row = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE path = ?",
-                               (relative_path(group, key),)).fetchone()
+                               (relative_path(dir, key),)).fetchone()
         return None if row is None else IndexEntry(*row)
 
-    def children(self, group: str, parent: bytes, *, limit: int) -> list[IndexEntry]:
+    def children(self, dir: str, parent: bytes, *, limit: int) -> list[IndexEntry]:
         """Returns up to `limit` blocks that follow `parent`, most recently used first."""
-        rows = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE grp = ? AND parent = ? "
-                                "ORDER BY last_used DESC LIMIT ?", (group, parent, limit)).fetchall()
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE dir = ? AND parent = ? "
+                                "ORDER BY last_used DESC LIMIT ?", (dir, parent, limit)).fetchall()
         return [IndexEntry(*row) for row in rows]
 
-    def contains(self, group: str, key: bytes) -> bool:
-        """Returns whether (group, key) is indexed."""
+    def contains(self, dir: str, key: bytes) -> bool:
+        """Returns whether (dir, key) is indexed."""
         return self._db.execute("SELECT 1 FROM blocks WHERE path = ?",
-                                (relative_path(group, key),)).fetchone() is not None
+                                (relative_path(dir, key),)).fetchone() is not None
 
     def least_recent(self, nbytes: int) -> list[IndexEntry]:
         """Returns the least recently used entries whose sizes add up to >= nbytes (or all)."""
@@ -105,26 +105,26 @@ class SsdIndex:
                     break
         return victims
 
-    def of_group(self, group: str) -> list[IndexEntry]:
-        """Returns the entries of exactly `group`, least recently used first."""
-        rows = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE grp = ? "
-                                "ORDER BY last_used", (group,))
+    def of_dir(self, dir: str) -> list[IndexEntry]:
+        """Returns the entries of exactly `dir`, least recently used first."""
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE dir = ? "
+                                "ORDER BY last_used", (dir,))
         return [IndexEntry(*row) for row in rows]
 
-    def add(self, group: str, key: bytes, parent: bytes | None, nbytes: int) -> IndexEntry:
+    def add(self, dir: str, key: bytes, parent: bytes, nbytes: int) -> IndexEntry:
         """Returns the new, most recently used entry (replacing one of the same key)."""
-        path = relative_path(group, key)
+        path = relative_path(dir, key)
         self._clock += 1
         with self._transaction():
             old = self._db.execute("SELECT nbytes FROM blocks WHERE path = ?", (path,)).fetchone()
             self._db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             (path, group, key, parent, nbytes, self._clock, self._clock))
+                             (path, dir, key, parent, nbytes, self._clock, self._clock))
         if old is not None:
             self.num_blocks -= 1
             self.total_bytes -= old[0]
         self.num_blocks += 1
         self.total_bytes += nbytes
-        return IndexEntry(path, group, key, parent, nbytes, self._clock)
+        return IndexEntry(path, dir, key, parent, nbytes, self._clock)
 
     def touch(self, entry: IndexEntry) -> None:
         """Marks `entry` most recently used."""
@@ -146,7 +146,7 @@ class SsdIndex:
         return removed
 
     def remove_under(self, prefix: str | None) -> list[str]:
-        """Returns the paths forgotten: group `prefix` and groups below it, or all."""
+        """Returns the paths forgotten: those under dir `prefix` (its subdirs too), or all."""
         # "/" sorts just before "0", so [prefix/, prefix0) is exactly the subtree.
         where, args = ("", ()) if prefix is None else (
             "WHERE path >= ? AND path < ?", (prefix + "/", prefix + "0"))
@@ -231,7 +231,7 @@ def _scan(directory: str, rel: str, files: set[str]) -> int:
     blocks = [n for n in names if n.endswith(".kv")]
     files.update(map(rel.__add__, blocks))  # in C: this line runs once per block file
     num_tmp = 0
-    if len(blocks) < len(names):  # shard directories, subgroups or crash leftovers
+    if len(blocks) < len(names):  # shard directories, subdirs or crash leftovers
         for name in names:
             path = os.path.join(directory, name)
             if name.endswith(".tmp"):

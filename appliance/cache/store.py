@@ -16,14 +16,13 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from appliance.cache.block import Block
-from appliance.cache.kv import KVBlock, from_payload, to_payload
+from appliance.cache.kv import KVBlock, from_bytes, to_bytes
 from appliance.cache.lru import LruTier
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
@@ -39,26 +38,12 @@ PREFETCH_READERS = 4
 
 
 @dataclass(frozen=True)
-class HostBlock:
-    key: bytes
-    parent: bytes
-    group: str
-    tokens: tuple[int, ...]
-    meta: dict
-    payload: np.ndarray  # uint8
-    origin: str = HOST  # SSD when prefetched: hits are reported by where the bytes came from
-
-    @property
-    def nbytes(self) -> int:
-        return self.payload.nbytes
-
-
-@dataclass(frozen=True)
-class StoredKV:
-    """A memory-tier entry: the block and the group it belongs to."""
+class Fetched:
+    """A block fetched for a restore, and the tier that served it (SSD for a block a
+    prefetch read into host RAM: hits are reported by where the bytes came from)."""
 
     block: KVBlock
-    group: str
+    tier: str
 
 
 class Rate:
@@ -81,8 +66,11 @@ class Rate:
 
 class KVStore:
     def __init__(self, *, root: Path, memory_bytes: int, host_bytes: int, ssd_bytes: int):
-        self.memory: LruTier[StoredKV] = LruTier(MEMORY, memory_bytes)
-        self.host: LruTier[HostBlock] = LruTier(HOST, host_bytes)
+        self.memory: LruTier[KVBlock] = LruTier(MEMORY, memory_bytes)
+        self.host: LruTier[Block] = LruTier(HOST, host_bytes)
+        # Keys of host blocks a prefetch read from the SSD. Every put into host sets or
+        # clears its key, so a key left behind by an eviction is harmless.
+        self._prefetched: set[bytes] = set()
         self.rates = {tier: Rate(r) for tier, r in DEFAULT_RATES.items()}
         self.ssd: SsdTier | None = None
         self.writer: SsdWriter | None = None
@@ -110,90 +98,82 @@ class KVStore:
 
     # --- lookup ----------------------------------------------------------------------
 
-    def tier_of(self, key: bytes, group: str) -> str | None:
+    def tier_of(self, key: bytes, dir: str) -> str | None:
         """Returns the fastest tier holding the block, without touching recency."""
         if key in self.memory:
             return MEMORY
         if key in self.host:
             return HOST
-        if self.ssd is not None and self.ssd.contains(key, group=group):
+        if self.ssd is not None and self.ssd.contains(key, dir=dir):
             return SSD
         return None
 
-    def children(self, parent: bytes, group: str) -> dict[bytes, tuple[tuple[int, ...], str]]:
+    def children(self, parent: bytes, dir: str) -> dict[bytes, tuple[tuple[int, ...], str]]:
         """Returns the stored blocks that follow `parent`: key -> (tokens, fastest tier)."""
         found: dict[bytes, tuple[tuple[int, ...], str]] = {}
         if self.ssd is not None:
-            for key, tokens in self.ssd.children(parent, group=group):
+            for key, tokens in self.ssd.children(parent, dir=dir):
                 found[key] = (tokens, SSD)
-        for h in self.host.values():
-            if h.parent == parent and h.group == group:
-                found[h.key] = (h.tokens, HOST)
-        for e in self.memory.values():
-            if e.block.parent == parent and e.group == group:
-                found[e.block.key] = (e.block.tokens, MEMORY)
+        for tier, name in ((self.host, HOST), (self.memory, MEMORY)):
+            for b in tier.values():
+                if b.parent == parent and b.dir == dir:
+                    found[b.key] = (b.tokens, name)
         return found
 
-    def fetch(self, key: bytes, *, group: str, parent: bytes, tokens: tuple[int, ...]) -> tuple[KVBlock, str] | None:
-        """Returns the block and the tier it came from, promoted to memory; None when lost."""
-        entry = self.memory.get(key)
-        if entry is not None and entry.block.tokens == tokens:
-            return entry.block, MEMORY
+    def fetch(self, key: bytes, *, dir: str, tokens: tuple[int, ...]) -> Fetched | None:
+        """Returns the block, promoted to memory, and the tier that served it; None when lost."""
+        block = self.memory.get(key)
+        if block is not None and block.tokens == tokens:
+            return Fetched(block, MEMORY)
         started = time.perf_counter()
-        host, measured = self.host.pop(key), HOST
-        if host is not None:
+        stored, measured = self.host.pop(key), HOST
+        served = SSD if key in self._prefetched else HOST
+        self._prefetched.discard(key)
+        if stored is not None:
             self.host.hits += 1
-        if host is None or host.tokens != tokens:
-            host, measured = self._read_ssd(key, group, tokens), SSD
-        if host is None:
+        if stored is None or stored.tokens != tokens:
+            stored, measured = self._read_ssd(key, dir, tokens), SSD
+            served = SSD
+        if stored is None:
             return None
         try:
-            block = from_payload(key, parent, tokens, host.meta, host.payload)
+            block = from_bytes(stored)
         except (KeyError, ValueError, AttributeError) as e:
             log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
             return None
         self.rates[measured].add(block.nbytes, time.perf_counter() - started)
-        self.put_memory(block, group)
-        return block, host.origin
+        self.put_memory(block)
+        return Fetched(block, served)
 
-    def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, group: str) -> int:
+    def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> int:
         """Reads SSD-only blocks into the host tier (no MLX work), several files at once;
         returns how many."""
         todo = [(key, tokens) for key, tokens in keys if key not in self.memory and key not in self.host]
         if not todo:
             return 0
         started = time.perf_counter()
-        read = self._readers.map(lambda kt: self._read_ssd(kt[0], group, kt[1]), todo)
+        read = self._readers.map(lambda kt: self._read_ssd(kt[0], dir, kt[1]), todo)
         count, nbytes = 0, 0
-        for host in read:
-            if host is None:
+        for block in read:
+            if block is None:
                 break  # the chain is broken here: later blocks are useless
-            self._put_host(host)
-            count, nbytes = count + 1, nbytes + host.nbytes
+            self._put_host(block, prefetched=True)
+            count, nbytes = count + 1, nbytes + block.payload_nbytes
         self.rates[SSD].add(nbytes, time.perf_counter() - started)
         return count
 
-    def _read_ssd(self, key: bytes, group: str, tokens: tuple[int, ...]) -> HostBlock | None:
-        if self.ssd is None:
-            return None
-        block = self.ssd.get(key, group=group, tokens=tokens)
-        if block is None:
-            return None
-        payload = np.frombuffer(block.payload, dtype=np.uint8)
-        return HostBlock(block.key, block.parent or b"", block.group, block.tokens, block.meta, payload,
-                         origin=SSD)
+    def _read_ssd(self, key: bytes, dir: str, tokens: tuple[int, ...]) -> Block | None:
+        return None if self.ssd is None else self.ssd.get(key, dir=dir, tokens=tokens)
 
     # --- store -----------------------------------------------------------------------
 
-    def save(self, blocks: list[KVBlock], *, group: str) -> None:
+    def save(self, blocks: list[KVBlock]) -> None:
         """Puts new blocks in memory and writes them through to the SSD behind the request."""
-        written = self._fitting_writer(blocks)
-        payloads = [to_payload(block) for block in written]
-        mx.eval([payload for _, payload in payloads])  # one wait for all the copies
+        written = to_bytes(self._fitting_writer(blocks))  # one wait for all the copies
         for block in blocks:
-            self.put_memory(block, group)
-        for block, (meta, payload) in zip(written, payloads):  # read out by the writer thread, not here
-            self.writer.submit(Block(block.key, block.parent, group, block.tokens, meta, memoryview(payload)))
+            self.put_memory(block)
+        for block in written:  # read out by the writer thread, not here
+            self.writer.submit(block)
 
     def _fitting_writer(self, blocks: list[KVBlock]) -> list[KVBlock]:
         """Returns the first of `blocks` that the SSD writer's queue has room for; the rest
@@ -210,28 +190,32 @@ class KVStore:
         self.writer.count_dropped(len(blocks) - len(fitting))
         return fitting
 
-    def put_memory(self, block: KVBlock, group: str) -> None:
-        for _, evicted in self.memory.put(block.key, StoredKV(block, group), block.nbytes):
+    def put_memory(self, block: KVBlock) -> None:
+        for _, evicted in self.memory.put(block.key, block, block.nbytes):
             self._demote(evicted)
 
-    def _demote(self, entry: StoredKV) -> None:
-        meta, payload = to_payload(entry.block)
-        b = entry.block
-        self._put_host(HostBlock(b.key, b.parent, entry.group, b.tokens, meta, np.array(payload)))
+    def _demote(self, block: KVBlock) -> None:
+        stored = to_bytes([block])[0]
+        self._put_host(replace(stored, payload=memoryview(np.array(stored.payload))))  # copied to host RAM
 
-    def _put_host(self, host: HostBlock) -> None:
-        for _, evicted in self.host.put(host.key, host, host.nbytes):
+    def _put_host(self, block: Block, *, prefetched: bool = False) -> None:
+        if prefetched:
+            self._prefetched.add(block.key)
+        else:
+            self._prefetched.discard(block.key)
+        for _, evicted in self.host.put(block.key, block, block.payload_nbytes):
             self._spill(evicted)
 
-    def _spill(self, host: HostBlock) -> None:
+    def _spill(self, block: Block) -> None:
         """Hands a block leaving RAM to the SSD unless it is there or on its way."""
+        self._prefetched.discard(block.key)
         if self.ssd is None or self.writer is None:
             return
         # Pending first: the writer indexes a block before it stops counting it as pending,
         # so asked in this order, a block written in between is never missed.
-        if self.writer.is_pending(host.key, group=host.group) or self.ssd.contains(host.key, group=host.group):
+        if self.writer.is_pending(block.key, dir=block.dir) or self.ssd.contains(block.key, dir=block.dir):
             return
-        self.writer.submit(Block(host.key, host.parent, host.group, host.tokens, host.meta, host.payload.data))
+        self.writer.submit(block)
 
     # --- management ------------------------------------------------------------------
 
@@ -245,17 +229,17 @@ class KVStore:
         if self.ssd is not None:
             self.ssd.resize(ssd_bytes)
 
-    def clear(self, group_prefix: str | None = None) -> int:
-        """Removes the blocks of groups under `group_prefix` (all when None); returns how many."""
-        def doomed(group: str) -> bool:
-            return group_prefix is None or group == group_prefix or group.startswith(group_prefix + "/")
+    def clear(self, dir: str | None = None) -> int:
+        """Removes the blocks under `dir` (its subdirs too; all when None); returns how many."""
+        def doomed(block: KVBlock | Block) -> bool:
+            return dir is None or block.dir == dir or block.dir.startswith(dir + "/")
 
         if self.writer is not None:
             self.writer.flush(timeout_s=30)
-        count = self.memory.remove_if(lambda e: doomed(e.group))
-        count += self.host.remove_if(lambda h: doomed(h.group))
+        count = self.memory.remove_if(doomed)
+        count += self.host.remove_if(doomed)
         if self.ssd is not None:
-            count += self.ssd.clear(group_prefix)
+            count += self.ssd.clear(dir)
         return count
 
     def flush(self, timeout_s: float = 30) -> bool:

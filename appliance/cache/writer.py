@@ -22,7 +22,7 @@ class SsdWriter:
         self.tier = tier
         self.max_pending_bytes = max_pending_bytes
         self._queue: deque[Block] = deque()
-        self._pending: set[tuple[str, bytes]] = set()  # queued or being written
+        self._pending: set[tuple[str, bytes]] = set()  # (dir, key): queued or being written
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -37,13 +37,13 @@ class SsdWriter:
         """
         nbytes = block.payload_nbytes
         with self._cond:
-            if (block.group, block.key) in self._pending:
+            if (block.dir, block.key) in self._pending:
                 return True
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
                 self._num["dropped"] += 1
                 return False
             self._queue.append(block)
-            self._pending.add((block.group, block.key))
+            self._pending.add((block.dir, block.key))
             self._pending_bytes += nbytes
             self._num["submitted"] += 1
             self._cond.notify_all()
@@ -59,10 +59,10 @@ class SsdWriter:
         with self._cond:
             self._num["dropped"] += num_blocks
 
-    def is_pending(self, key: bytes, *, group: str) -> bool:
+    def is_pending(self, key: bytes, *, dir: str) -> bool:
         """Returns whether the block is queued or being written right now."""
         with self._cond:
-            return (group, key) in self._pending
+            return (dir, key) in self._pending
 
     def flush(self, timeout_s: float) -> bool:
         """Returns whether every submitted block was handled within `timeout_s`."""
@@ -107,6 +107,6 @@ class SsdWriter:
                 ok = False
             with self._cond:
                 self._num["written" if ok else "failed"] += 1
-                self._pending.discard((block.group, block.key))
+                self._pending.discard((block.dir, block.key))
                 self._pending_bytes -= block.payload_nbytes
                 self._cond.notify_all()

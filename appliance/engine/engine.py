@@ -160,7 +160,7 @@ class Engine:
             if self.cache is not None and self._prefetcher is not None:
                 # SSD reads start now, not when the request reaches the front of the queue.
                 slot.prefetch = self._prefetcher.submit(
-                    self.cache.prefetch, request.prompt_tokens, tenant=request.cache_group,
+                    self.cache.prefetch, request.prompt_tokens, tenant=request.tenant,
                     prefill_tok_s=self.prefill_tok_s)
                 slot.prefetch.add_done_callback(lambda _: self._wake())
             self._num_live += 1
@@ -322,7 +322,7 @@ class Engine:
             return None
         prompt = slot.request.prompt_tokens
         try:
-            lookup = self.cache.restorable(prompt, tenant=slot.request.cache_group,
+            lookup = self.cache.restorable(prompt, tenant=slot.request.tenant,
                                            prefill_tok_s=self.prefill_tok_s)
             restored = self.cache.restore(lookup, prompt_tokens=len(prompt))
         except Exception:  # a cache fault costs a recompute, never the request
@@ -337,7 +337,7 @@ class Engine:
         if self.cache is None or not cache or not tokens:
             return
         try:
-            self.cache.save(cache, tokens, tenant=slot.request.cache_group,
+            self.cache.save(cache, tokens, tenant=slot.request.tenant,
                             skip_tokens=slot.stats.cached_tokens)
         except Exception:
             log.exception("cache save failed on model %s", self.loaded.name)

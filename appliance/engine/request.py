@@ -32,7 +32,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: never emitted, may span tokens
     stop_token_ids: tuple[int, ...] = ()  # ends the request like EOS
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
-    cache_group: str = "default"  # the tenant's KV namespace: groups never share blocks
+    tenant: str = "default"  # whose KV it reads and writes (model_cache.kv_tenant): tenants never share blocks
     # Chat answers drop the first token's leading space (as mlx-lm does); completions
     # continue the prompt's text exactly.
     trim_leading_space: bool = True

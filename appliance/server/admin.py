@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from appliance.cache.keys import DEFAULT_GROUP
+from appliance.cache.keys import DEFAULT_TENANT
 from appliance.config import ConfigError, restore_secrets, write_config
 from appliance.reconcile.watch import reconcile_now
 from appliance.server.errors import ApiError
@@ -96,7 +96,7 @@ class ArchiveParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(min_length=1)
     model: str | None = None
-    tenant: str = Field(DEFAULT_GROUP, pattern=TENANT_PATTERN)  # export: whose blocks
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN)  # export: whose blocks
 
 
 async def export_cache(request: Request) -> Response:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from starlette.datastructures import Headers
 
-from appliance.cache.keys import DEFAULT_GROUP
+from appliance.cache.keys import DEFAULT_TENANT
 from appliance.spec import ServerSpec
 
 RouteKind = Literal["public", "api", "admin"]
@@ -30,7 +30,7 @@ class Caller:
     admin: bool
 
 
-ANONYMOUS = Caller("anonymous", DEFAULT_GROUP, admin=False)
+ANONYMOUS = Caller("anonymous", DEFAULT_TENANT, admin=False)
 # The API's paths without the /v1 prefix (clients given a base URL without /v1 use them).
 API_ROOTS = {"models", "chat", "completions", "messages", "responses", "embeddings"}
 
@@ -70,7 +70,7 @@ def identify(server: ServerSpec, key: str | None) -> Caller | None:
             found = Caller(f"key-{i}", api_key.tenant, admin=False)
     admin_secret = server.admin_secret
     if admin_secret is not None and hmac.compare_digest(given, admin_secret.encode()):
-        found = Caller("admin", DEFAULT_GROUP, admin=True)
+        found = Caller("admin", DEFAULT_TENANT, admin=True)
     return found
 
 
@@ -89,4 +89,4 @@ def refusal(kind: RouteKind, caller: Caller | None, server: ServerSpec) -> str |
 def tenant_of(caller: Caller | None) -> str:
     """Returns whose KV a request reads and writes (the default tenant without a valid key,
     which only an open API lets through)."""
-    return caller.tenant if caller is not None else DEFAULT_GROUP
+    return caller.tenant if caller is not None else DEFAULT_TENANT

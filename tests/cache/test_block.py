@@ -8,6 +8,7 @@ import pytest
 
 from appliance.cache import block as block_module
 from appliance.cache.block import (
+    FORMAT_VERSION,
     MAGIC,
     PAYLOAD_ALIGN,
     PRELUDE,
@@ -15,17 +16,17 @@ from appliance.cache.block import (
     BlockError,
     decode,
     encode_head,
-    is_valid_group,
+    is_valid_dir,
     read_file,
     relative_path,
 )
 
 KEY = bytes(range(32))
-GROUP = "a1b2c3d4e5f6a7b8/default"
+DIR = "a1b2c3d4e5f6a7b8/default"
 
 
 def block(payload: bytes | memoryview = b"kv" * 1000, tokens=(1, 2, 3)) -> Block:
-    return Block(key=KEY, parent=b"\x01" * 32, group=GROUP, tokens=tokens,
+    return Block(key=KEY, parent=b"\x01" * 32, dir=DIR, tokens=tokens,
                  meta={"dtype": "float32", "layers": 30}, payload=payload)
 
 
@@ -34,7 +35,7 @@ def file_bytes(b: Block) -> bytes:
 
 
 def reason(data: bytes, **kw) -> str:
-    args = {"key": KEY, "group": GROUP, "tokens": (1, 2, 3), **kw}
+    args = {"key": KEY, "dir": DIR, "tokens": (1, 2, 3), **kw}
     with pytest.raises(BlockError) as e:
         decode(memoryview(data), **args)
     return e.value.reason
@@ -42,23 +43,35 @@ def reason(data: bytes, **kw) -> str:
 
 def test_round_trip_keeps_every_field():
     b = block()
-    back = decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    back = decode(memoryview(file_bytes(b)), key=KEY, dir=DIR, tokens=(1, 2, 3))
     assert back == b
     assert bytes(back.payload) == bytes(b.payload)
     assert back.meta == {"dtype": "float32", "layers": 30}
     assert back.parent == b"\x01" * 32
 
 
-def test_first_block_has_no_parent():
-    b = Block(key=KEY, parent=None, group=GROUP, tokens=(7,), meta={}, payload=b"x")
-    assert decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(7,)).parent is None
+def test_a_block_always_has_a_parent_the_first_one_the_root_key():
+    for missing in (None, b""):
+        with pytest.raises(ValueError):
+            Block(key=KEY, parent=missing, dir=DIR, tokens=(7,), meta={}, payload=b"x")
+
+
+def test_a_header_without_a_parent_is_corrupt():
+    data = file_bytes(block())
+    _, _, header_nbytes = PRELUDE.unpack_from(data)
+    header = orjson.loads(data[PRELUDE.size:PRELUDE.size + header_nbytes])
+    header["parent"] = None  # as format 1 wrote a first block
+    raw = orjson.dumps(header)
+    raw += b" " * (header_nbytes - len(raw))
+    edited = PRELUDE.pack(MAGIC, FORMAT_VERSION, header_nbytes) + raw + data[PRELUDE.size + header_nbytes:]
+    assert reason(edited) == "corrupt"
 
 
 def test_payload_starts_aligned_and_is_a_zero_copy_view():
     head = encode_head(block())
     assert len(head) % PAYLOAD_ALIGN == 0
     data = bytearray(file_bytes(block()))
-    back = decode(memoryview(data), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    back = decode(memoryview(data), key=KEY, dir=DIR, tokens=(1, 2, 3))
     data[len(head)] ^= 0xFF  # the view sees writes to the buffer it came from
     assert back.payload[0] == data[len(head)]
 
@@ -67,7 +80,7 @@ def test_memoryview_payload_counts_bytes_not_items():
     floats = memoryview(array("f", [1.0] * 100))
     b = block(payload=floats)
     assert b.payload_nbytes == 400
-    back = decode(memoryview(file_bytes(b)), key=KEY, group=GROUP, tokens=(1, 2, 3))
+    back = decode(memoryview(file_bytes(b)), key=KEY, dir=DIR, tokens=(1, 2, 3))
     assert bytes(back.payload) == floats.tobytes()
 
 
@@ -100,16 +113,16 @@ def test_flipped_payload_byte_is_corrupt():
     assert reason(bytes(data)) == "corrupt"
 
 
-def test_other_key_or_group_is_foreign():
+def test_other_key_or_dir_is_foreign():
     data = file_bytes(block())
     assert reason(data, key=b"\xff" * 32) == "foreign"
-    assert reason(data, group="other/default") == "foreign"
+    assert reason(data, dir="other/default") == "foreign"
 
 
 def test_tokens_are_compared_unless_none():
     data = file_bytes(block())
     assert reason(data, tokens=(1, 2, 4)) == "token_mismatch"
-    assert decode(memoryview(data), key=KEY, group=GROUP, tokens=None).tokens == (1, 2, 3)
+    assert decode(memoryview(data), key=KEY, dir=DIR, tokens=None).tokens == (1, 2, 3)
 
 
 def test_checksum_covers_tokens():
@@ -120,7 +133,7 @@ def test_checksum_covers_tokens():
     header["tokens"] = [1, 2, 4]
     raw = orjson.dumps(header)
     raw += b" " * (header_nbytes - len(raw))
-    edited = PRELUDE.pack(MAGIC, 1, header_nbytes) + raw + data[PRELUDE.size + header_nbytes:]
+    edited = PRELUDE.pack(MAGIC, FORMAT_VERSION, header_nbytes) + raw + data[PRELUDE.size + header_nbytes:]
     assert reason(edited, tokens=(1, 2, 4)) == "corrupt"
 
 
@@ -130,13 +143,13 @@ def test_garbage_header_is_corrupt():
     assert reason(bytes(data)) == "corrupt"
 
 
-def test_group_must_be_a_safe_relative_path():
-    assert is_valid_group("a1b2c3d4e5f6a7b8/default")
-    assert is_valid_group("m.v2/tenant_1-x")
+def test_dir_must_be_a_safe_relative_path():
+    assert is_valid_dir("a1b2c3d4e5f6a7b8/default")
+    assert is_valid_dir("m.v2/tenant_1-x")
     for bad in ("", "/abs", "a/../b", "..", "a//b", "a/.hidden", "a b", "a/"):
-        assert not is_valid_group(bad), bad
+        assert not is_valid_dir(bad), bad
         with pytest.raises(ValueError):
-            Block(key=KEY, parent=None, group=bad, tokens=(), meta={}, payload=b"")
+            Block(key=KEY, parent=b"\x01" * 32, dir=bad, tokens=(), meta={}, payload=b"")
 
 
 def test_relative_path_shards_by_first_key_byte():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.cache.keys import DEFAULT_GROUP, KeySpace, KVLayout, key_space
+from appliance.cache.keys import DEFAULT_TENANT, KeySpace, KVLayout, key_space
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = "0123456789abcdef" * 4
@@ -24,7 +24,7 @@ def test_bytes_per_token_counts_keys_and_values_of_every_layer():
 
 def test_same_inputs_give_the_same_root():
     assert space() == space()
-    assert space(tenant=DEFAULT_GROUP).root == space().root
+    assert space(tenant=DEFAULT_TENANT).root == space().root
     assert len(space().root) == 32
 
 
@@ -65,9 +65,9 @@ def test_root_is_the_same_in_another_process():
     assert out.strip() == space(tenant="alice").root.hex()
 
 
-def test_group_names_the_weights_prefix_and_tenant():
-    assert space().group == f"{WEIGHTS[:16]}/{DEFAULT_GROUP}"
-    assert space(tenant="alice").group == "0123456789abcdef/alice"
+def test_dir_names_the_weights_prefix_and_tenant():
+    assert space().dir == f"{WEIGHTS[:16]}/{DEFAULT_TENANT}"
+    assert space(tenant="alice").dir == "0123456789abcdef/alice"
     assert space().block_tokens == 4
 
 

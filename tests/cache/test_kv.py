@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -5,7 +7,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from appliance.cache.keys import KVLayout, key_space
-from appliance.cache.kv import build_batch_cache, cut_blocks, from_payload, probe_layout, to_payload
+from appliance.cache.kv import build_batch_cache, cut_blocks, from_bytes, probe_layout, to_bytes
 from appliance.engine.mlxlm_seam import BatchCache
 
 LAYERS, HEADS, DK, DV, B = 3, 2, 8, 4, 4
@@ -228,13 +230,14 @@ def test_cut_of_a_built_cache_gives_the_same_blocks():
 def test_payload_round_trip_is_byte_exact(dtype):
     blocks = cut_blocks(fake_cache(len(TOKENS), dtype=dtype), TOKENS, SPACE, skip_tokens=0,
                         is_known=never)
-    for blk in blocks:
-        meta, payload = to_payload(blk)
+    for blk, stored in zip(blocks, to_bytes(blocks)):
+        meta = stored.meta
         assert meta["dtype"] == str(dtype).removeprefix("mlx.core.")
         assert meta["k_shape"] == list(blk.keys.shape) and meta["v_shape"] == list(blk.values.shape)
-        assert meta["k_nbytes"] == blk.keys.nbytes and payload.nbytes == blk.nbytes
-        back = from_payload(blk.key, blk.parent, blk.tokens, meta, bytes(payload))
-        assert (back.key, back.parent, back.tokens) == (blk.key, blk.parent, blk.tokens)
+        assert meta["k_nbytes"] == blk.keys.nbytes and stored.payload_nbytes == blk.nbytes
+        assert (stored.key, stored.parent, stored.dir, stored.tokens) == (blk.key, blk.parent, blk.dir, blk.tokens)
+        back = from_bytes(replace(stored, payload=bytes(stored.payload)))
+        assert (back.key, back.parent, back.dir, back.tokens) == (blk.key, blk.parent, blk.dir, blk.tokens)
         assert back.keys.dtype == dtype and back.values.dtype == dtype
         assert back.keys.shape == blk.keys.shape and back.values.shape == blk.values.shape
         np.testing.assert_array_equal(raw(back.keys), raw(blk.keys))
@@ -243,17 +246,17 @@ def test_payload_round_trip_is_byte_exact(dtype):
 
 def test_payload_round_trip_from_a_memoryview_and_numpy_buffer():
     (blk, *_) = cut_blocks(fake_cache(B), TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
-    meta, payload = to_payload(blk)
-    for buf in (payload, np.frombuffer(payload, dtype=np.uint8)):
-        back = from_payload(blk.key, blk.parent, blk.tokens, meta, buf)
+    stored = to_bytes([blk])[0]
+    for buf in (stored.payload, np.frombuffer(stored.payload, dtype=np.uint8)):
+        back = from_bytes(replace(stored, payload=buf))
         np.testing.assert_array_equal(raw(back.keys), raw(blk.keys))
 
 
-def test_from_payload_does_not_alias_the_buffer():
+def test_from_bytes_does_not_alias_the_buffer():
     (blk, *_) = cut_blocks(fake_cache(B), TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
-    meta, payload = to_payload(blk)
-    buf = bytearray(payload)
-    back = from_payload(blk.key, blk.parent, blk.tokens, meta, memoryview(buf))
+    stored = to_bytes([blk])[0]
+    buf = bytearray(stored.payload)
+    back = from_bytes(replace(stored, payload=memoryview(buf)))
     buf[:] = bytes(len(buf))  # e.g. a reused read buffer
     np.testing.assert_array_equal(raw(back.keys), raw(blk.keys))
 
@@ -280,12 +283,12 @@ def _payload_case(name: str, meta: dict, payload: bytes, tokens: tuple[int, ...]
 
 @pytest.mark.parametrize("case", ["truncated", "extra_bytes", "empty", "k_nbytes_off", "k_shape_off",
                                   "too_many_tokens", "too_few_tokens", "dtype_off"])
-def test_from_payload_rejects_a_payload_that_does_not_fit(case):
+def test_from_bytes_rejects_a_payload_that_does_not_fit(case):
     (blk, *_) = cut_blocks(fake_cache(B), TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
-    meta, payload = to_payload(blk)
-    meta, payload, tokens = _payload_case(case, meta, bytes(payload), blk.tokens)
+    stored = to_bytes([blk])[0]
+    meta, payload, tokens = _payload_case(case, stored.meta, bytes(stored.payload), blk.tokens)
     with pytest.raises(ValueError):
-        from_payload(blk.key, blk.parent, tokens, meta, payload)
+        from_bytes(replace(stored, meta=meta, payload=payload, tokens=tokens))
 
 
 # --- probe_layout ------------------------------------------------------------------

@@ -17,15 +17,15 @@ import pytest
 from appliance.cache.block import Block, encode_head, relative_path
 from appliance.cache.ssd import SsdTier
 
-GROUP = "a1b2c3d4e5f6a7b8/default"
+DIR = "a1b2c3d4e5f6a7b8/default"
 KiB = 1024
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_block(i: int, *, group: str = GROUP, nbytes: int = 4 * KiB) -> Block:
-    key = hashlib.sha256(f"{group}/{i}".encode()).digest()
-    parent = None if i == 0 else hashlib.sha256(f"{group}/{i - 1}".encode()).digest()
-    return Block(key=key, parent=parent, group=group, tokens=tuple(range(i * 16, i * 16 + 16)),
+def make_block(i: int, *, dir: str = DIR, nbytes: int = 4 * KiB) -> Block:
+    key = hashlib.sha256(f"{dir}/{i}".encode()).digest()
+    parent = hashlib.sha256(f"{dir}/{i - 1}".encode()).digest()  # i == 0: as if a root key
+    return Block(key=key, parent=parent, dir=dir, tokens=tuple(range(i * 16, i * 16 + 16)),
                  meta={"dtype": "float32", "layers": 2, "i": i},
                  payload=random.Random(i).randbytes(nbytes))
 
@@ -35,11 +35,11 @@ def file_size(b: Block) -> int:
 
 
 def path_of(tier: SsdTier, b: Block) -> Path:
-    return tier.root / relative_path(b.group, b.key)
+    return tier.root / relative_path(b.dir, b.key)
 
 
 def get(tier: SsdTier, b: Block) -> Block | None:
-    return tier.get(b.key, group=b.group, tokens=b.tokens)
+    return tier.get(b.key, dir=b.dir, tokens=b.tokens)
 
 
 def kv_files(root: Path) -> list[Path]:
@@ -57,10 +57,10 @@ def test_round_trip(tier: SsdTier):
     assert tier.put(b)
     back = get(tier, b)
     assert back is not None
-    assert (back.key, back.parent, back.group, back.tokens) == (b.key, b.parent, b.group, b.tokens)
+    assert (back.key, back.parent, back.dir, back.tokens) == (b.key, b.parent, b.dir, b.tokens)
     assert back.meta == b.meta and bytes(back.payload) == b.payload
-    assert tier.contains(b.key, group=GROUP)
-    assert not tier.contains(b.key, group="other/default")
+    assert tier.contains(b.key, dir=DIR)
+    assert not tier.contains(b.key, dir="other/default")
     s = tier.stats()
     assert (s["blocks"], s["bytes"], s["writes"], s["hits"]) == (1, file_size(b), 1, 1)
     assert s["bytes"] == path_of(tier, b).stat().st_size
@@ -84,10 +84,10 @@ def test_longest_prefix_counts_leading_stored_keys(tier: SsdTier):
     for b in blocks[:3] + blocks[4:]:
         tier.put(b)
     keys = [b.key for b in blocks]
-    assert tier.longest_prefix(keys, group=GROUP) == 3
-    assert tier.longest_prefix(keys[:2], group=GROUP) == 2
-    assert tier.longest_prefix(keys, group="other/default") == 0
-    assert tier.longest_prefix([], group=GROUP) == 0
+    assert tier.longest_prefix(keys, dir=DIR) == 3
+    assert tier.longest_prefix(keys[:2], dir=DIR) == 2
+    assert tier.longest_prefix(keys, dir="other/default") == 0
+    assert tier.longest_prefix([], dir=DIR) == 0
 
 
 def test_lru_eviction_keeps_the_budget_and_get_bumps_recency(tmp_path: Path):
@@ -97,7 +97,7 @@ def test_lru_eviction_keeps_the_budget_and_get_bumps_recency(tmp_path: Path):
             assert tier.put(b)
         assert get(tier, blocks[0]) is not None  # 0 is now newer than 1
         assert tier.put(blocks[3])
-        present = [tier.contains(b.key, group=GROUP) for b in blocks]
+        present = [tier.contains(b.key, dir=DIR) for b in blocks]
         assert present == [True, False, True, True]
         assert not path_of(tier, blocks[1]).exists()
         s = tier.stats()
@@ -110,7 +110,7 @@ def test_block_larger_than_the_budget_is_refused(tmp_path: Path):
     with SsdTier(tmp_path, budget_bytes=16 * KiB) as tier:
         assert tier.put(small)
         assert not tier.put(big)
-        assert tier.contains(small.key, group=GROUP)  # nothing evicted for a hopeless put
+        assert tier.contains(small.key, dir=DIR)  # nothing evicted for a hopeless put
         assert tier.stats()["refused"] == 1 and not path_of(tier, big).exists()
 
 
@@ -119,7 +119,7 @@ def test_resize_down_evicts_at_once(tier: SsdTier):
     for b in blocks:
         tier.put(b)
     tier.resize(2 * file_size(blocks[0]))
-    assert [tier.contains(b.key, group=GROUP) for b in blocks] == [False] * 4 + [True] * 2
+    assert [tier.contains(b.key, dir=DIR) for b in blocks] == [False] * 4 + [True] * 2
     assert len(kv_files(tier.root)) == 2
     assert tier.stats()["bytes"] <= tier.stats()["budget_bytes"]
 
@@ -133,7 +133,7 @@ def test_flipped_payload_byte_is_a_corrupt_miss_and_removed(tier: SsdTier):
     path.write_bytes(data)
     assert get(tier, b) is None
     assert tier.stats()["misses"] == {"corrupt": 1}
-    assert not path.exists() and not tier.contains(b.key, group=GROUP)
+    assert not path.exists() and not tier.contains(b.key, dir=DIR)
     assert tier.stats()["bytes"] == 0
 
 
@@ -153,26 +153,26 @@ def test_file_deleted_behind_the_index_is_missing(tier: SsdTier):
     path_of(tier, b).unlink()
     assert get(tier, b) is None
     assert tier.stats()["misses"] == {"missing": 1}
-    assert not tier.contains(b.key, group=GROUP) and tier.stats()["blocks"] == 0
+    assert not tier.contains(b.key, dir=DIR) and tier.stats()["blocks"] == 0
 
 
-def test_file_of_another_key_or_group_is_foreign(tier: SsdTier):
-    mine, other_key, other_group = make_block(0), make_block(1), make_block(0, group="zz/t")
-    for b in (mine, other_key, other_group):
+def test_file_of_another_key_or_dir_is_foreign(tier: SsdTier):
+    mine, other_key, other_dir = make_block(0), make_block(1), make_block(0, dir="zz/t")
+    for b in (mine, other_key, other_dir):
         tier.put(b)
     shutil.copyfile(path_of(tier, other_key), path_of(tier, mine))
     assert get(tier, mine) is None
     tier.put(mine)
-    shutil.copyfile(path_of(tier, other_group), path_of(tier, mine))
+    shutil.copyfile(path_of(tier, other_dir), path_of(tier, mine))
     assert get(tier, mine) is None
     assert tier.stats()["misses"] == {"foreign": 2}
-    assert get(tier, other_key) is not None and get(tier, other_group) is not None
+    assert get(tier, other_key) is not None and get(tier, other_dir) is not None
 
 
 def test_other_tokens_are_a_token_mismatch(tier: SsdTier):
     b = make_block(0)
     tier.put(b)
-    assert tier.get(b.key, group=GROUP, tokens=(1,) * 16) is None
+    assert tier.get(b.key, dir=DIR, tokens=(1,) * 16) is None
     assert tier.stats()["misses"] == {"token_mismatch": 1}
     assert not path_of(tier, b).exists()
 
@@ -185,28 +185,28 @@ def test_restart_keeps_blocks_and_their_recency(tmp_path: Path):
         get(tier, blocks[0])
     # A smaller budget at startup evicts the least recent first: block 1, then 2.
     with SsdTier(tmp_path, budget_bytes=2 * file_size(blocks[0])) as tier:
-        assert [tier.contains(b.key, group=GROUP) for b in blocks] == [True, False, True]
+        assert [tier.contains(b.key, dir=DIR) for b in blocks] == [True, False, True]
         assert bytes(get(tier, blocks[0]).payload) == blocks[0].payload
         assert len(kv_files(tmp_path)) == 2
 
 
 def test_startup_reconciles_index_and_files(tmp_path: Path):
-    blocks = [make_block(i, group=f"m{i % 3}/t", nbytes=KiB) for i in range(300)]
+    blocks = [make_block(i, dir=f"m{i % 3}/t", nbytes=KiB) for i in range(300)]
     with SsdTier(tmp_path, budget_bytes=2**30) as tier:
         for b in blocks:
             assert tier.put(b)
     deleted, kept = blocks[:20], blocks[20:]
     for b in deleted:
-        os.unlink(tmp_path / relative_path(b.group, b.key))
+        os.unlink(tmp_path / relative_path(b.dir, b.key))
     stray = tmp_path / relative_path("m0/t", b"\xab" * 32)  # a crash between rename and commit
     stray.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tmp_path / relative_path(kept[0].group, kept[0].key), stray)
-    tmps = [tmp_path / relative_path(b.group, b.key + b"x") for b in blocks[:5]]
+    shutil.copyfile(tmp_path / relative_path(kept[0].dir, kept[0].key), stray)
+    tmps = [tmp_path / relative_path(b.dir, b.key + b"x") for b in blocks[:5]]
     for t in tmps:
         t.with_suffix(".kv.123.456.tmp").write_bytes(b"half a block")
     with SsdTier(tmp_path, budget_bytes=2**30) as tier:
         assert not list(tmp_path.rglob("*.tmp")) and not stray.exists()
-        assert not any(tier.contains(b.key, group=b.group) for b in deleted)
+        assert not any(tier.contains(b.key, dir=b.dir) for b in deleted)
         files = kv_files(tmp_path)
         s = tier.stats()
         assert s["blocks"] == len(files) == len(kept)
@@ -241,7 +241,7 @@ def test_second_tier_on_the_same_root_is_disabled(tmp_path: Path):
             assert second.stats()["disabled"]
             assert "in use" in second.stats()["disabled_reason"]
             assert not second.put(make_block(1))
-        assert first.contains(make_block(0).key, group=GROUP)
+        assert first.contains(make_block(0).key, dir=DIR)
 
 
 KILL_SCRIPT = """
@@ -261,7 +261,7 @@ def stalling_fsync(fd):  # pins the kill between writing a block's temp file and
 tier = SsdTier(Path(root), budget_bytes=budget)
 for i in range(first, first + 10**6):
     os.fsync = stalling_fsync if i == stall_at else real_fsync
-    tier.put(Block(key=hashlib.sha256(b"kill/%d" % i).digest(), parent=None, group="kill/t",
+    tier.put(Block(key=hashlib.sha256(b"kill/%d" % i).digest(), parent=b"root", dir="kill/t",
                    tokens=(i, i + 1), meta={}, payload=bytes([i % 251]) * 262144))
     print(i, flush=True)
 """
@@ -306,12 +306,12 @@ def test_sigkill_while_writing_leaves_a_consistent_index(tmp_path: Path):
         num_valid = 0
         for i in [*range(31), *range(1000, last + 2)]:
             key = hashlib.sha256(b"kill/%d" % i).digest()
-            if tier.contains(key, group="kill/t"):
-                b = tier.get(key, group="kill/t", tokens=(i, i + 1))
+            if tier.contains(key, dir="kill/t"):
+                b = tier.get(key, dir="kill/t", tokens=(i, i + 1))
                 assert b is not None and bytes(b.payload) == bytes([i % 251]) * KILL_PAYLOAD
                 num_valid += 1
         assert num_valid == len(files)
-        assert tier.contains(hashlib.sha256(b"kill/%d" % last).digest(), group="kill/t")
+        assert tier.contains(hashlib.sha256(b"kill/%d" % last).digest(), dir="kill/t")
 
 
 def no_space(fd: int, data: bytes) -> int:
@@ -343,17 +343,17 @@ def test_other_write_errors_are_counted_but_keep_the_tier_on(tier: SsdTier, monk
     assert tier.put(make_block(2))
 
 
-def test_clear_removes_a_group_prefix_or_everything(tier: SsdTier):
-    groups = ["m1/t1", "m1/t2", "m10/t1", "m2/t1"]
-    for g in groups:
+def test_clear_removes_a_dir_prefix_or_everything(tier: SsdTier):
+    dirs = ["m1/t1", "m1/t2", "m10/t1", "m2/t1"]
+    for g in dirs:
         for i in range(3):
-            tier.put(make_block(i, group=g))
+            tier.put(make_block(i, dir=g))
     assert tier.clear("m1") == 6
     assert not (tier.root / "m1").exists()
-    assert tier.contains(make_block(0, group="m10/t1").key, group="m10/t1")
+    assert tier.contains(make_block(0, dir="m10/t1").key, dir="m10/t1")
     assert tier.clear() == 6
     assert tier.stats()["bytes"] == 0 and kv_files(tier.root) == []
-    assert tier.put(make_block(0, group="m1/t1"))  # directories come back on demand
+    assert tier.put(make_block(0, dir="m1/t1"))  # directories come back on demand
     with pytest.raises(ValueError):
         tier.clear("../outside")
 
@@ -363,14 +363,14 @@ def test_export_then_import_into_a_fresh_root(tmp_path: Path):
     with SsdTier(tmp_path / "a", budget_bytes=2**20) as src:
         for b in blocks:
             src.put(b)
-        src.put(make_block(0, group="other/t"))
-        assert src.export(GROUP, tmp_path / "cache.tar") == 5
+        src.put(make_block(0, dir="other/t"))
+        assert src.export(DIR, tmp_path / "cache.tar") == 5
     with SsdTier(tmp_path / "b", budget_bytes=2**20) as dst:
         assert dst.import_archive(tmp_path / "cache.tar") == 5
         for b in blocks:
             back = get(dst, b)
             assert back is not None and bytes(back.payload) == b.payload and back.meta == b.meta
-        assert not dst.contains(make_block(0, group="other/t").key, group="other/t")
+        assert not dst.contains(make_block(0, dir="other/t").key, dir="other/t")
 
 
 def rewrite_archive(src: Path, dest: Path, edit) -> None:
@@ -386,7 +386,7 @@ def test_tampered_archive_member_is_rejected(tmp_path: Path):
     with SsdTier(tmp_path / "a", budget_bytes=2**20) as src:
         for b in blocks:
             src.put(b)
-        src.export(GROUP, tmp_path / "cache.tar")
+        src.export(DIR, tmp_path / "cache.tar")
     victim = f"blocks/{blocks[2].key.hex()}.kv"
 
     def flip(name: str, data: bytes) -> bytes:
@@ -396,18 +396,18 @@ def test_tampered_archive_member_is_rejected(tmp_path: Path):
     with SsdTier(tmp_path / "b", budget_bytes=2**20) as dst:
         assert dst.import_archive(tmp_path / "bad.tar") == 3
         assert dst.stats()["import_rejected"] == 1
-        assert [dst.contains(b.key, group=GROUP) for b in blocks] == [True, True, False, True]
+        assert [dst.contains(b.key, dir=DIR) for b in blocks] == [True, True, False, True]
         assert len(kv_files(dst.root)) == 3
 
 
-def test_archive_relabelled_to_another_group_imports_nothing(tmp_path: Path):
+def test_archive_relabelled_to_another_dir_imports_nothing(tmp_path: Path):
     with SsdTier(tmp_path / "a", budget_bytes=2**20) as src:
         for i in range(3):
             src.put(make_block(i))
-        src.export(GROUP, tmp_path / "cache.tar")
+        src.export(DIR, tmp_path / "cache.tar")
 
     def relabel(name: str, data: bytes) -> bytes:
-        return data.replace(GROUP.encode(), b"evil/tenant") if name == "manifest.json" else data
+        return data.replace(DIR.encode(), b"evil/tenant") if name == "manifest.json" else data
 
     rewrite_archive(tmp_path / "cache.tar", tmp_path / "evil.tar", relabel)
     with SsdTier(tmp_path / "b", budget_bytes=2**20) as dst:

@@ -6,7 +6,7 @@ import pytest
 from appliance.cache.block import Block
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
-from tests.cache.test_ssd import GROUP, KiB, make_block
+from tests.cache.test_ssd import DIR, KiB, make_block
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_submitted_blocks_reach_the_tier(tier: SsdTier):
     blocks = [make_block(i) for i in range(10)]
     assert all(writer.submit(b) for b in blocks)
     assert writer.flush(timeout_s=10)
-    assert tier.longest_prefix([b.key for b in blocks], group=GROUP) == 10
+    assert tier.longest_prefix([b.key for b in blocks], dir=DIR) == 10
     assert writer.stats()["written"] == 10 and writer.stats()["pending_bytes"] == 0
     assert writer.close()
 
@@ -48,7 +48,7 @@ def test_submit_drops_instead_of_waiting_when_the_queue_is_full(tier, monkeypatc
     assert writer.stats()["dropped"] == 2
     release.set()
     assert writer.flush(timeout_s=10)
-    assert tier.contains(second.key, group=GROUP) and not tier.contains(third.key, group=GROUP)
+    assert tier.contains(second.key, dir=DIR) and not tier.contains(third.key, dir=DIR)
     writer.close()
 
 
@@ -57,12 +57,12 @@ def test_is_pending_until_written(tier, monkeypatch):
     writer = SsdWriter(tier, max_pending_bytes=2**20)
     b = make_block(0)
     writer.submit(b)
-    assert writer.is_pending(b.key, group=GROUP)
+    assert writer.is_pending(b.key, dir=DIR)
     assert writer.submit(b) and writer.stats()["submitted"] == 1  # queued once
     assert not writer.flush(timeout_s=0.05)
     release.set()
     assert writer.flush(timeout_s=10)
-    assert not writer.is_pending(b.key, group=GROUP) and tier.contains(b.key, group=GROUP)
+    assert not writer.is_pending(b.key, dir=DIR) and tier.contains(b.key, dir=DIR)
     writer.close()
 
 
@@ -74,7 +74,7 @@ def test_close_writes_what_is_queued_and_refuses_more(tier, monkeypatch):
         writer.submit(b)
     release.set()
     assert writer.close(timeout_s=10)
-    assert tier.longest_prefix([b.key for b in blocks], group=GROUP) == 3
+    assert tier.longest_prefix([b.key for b in blocks], dir=DIR) == 3
     assert not writer.submit(make_block(5))
 
 
@@ -94,7 +94,7 @@ def test_a_failing_put_does_not_stop_the_writer(tier, monkeypatch):
     writer.submit(make_block(1))
     assert writer.flush(timeout_s=10)
     assert writer.stats()["failed"] == 1 and writer.stats()["written"] == 1
-    assert tier.contains(make_block(1).key, group=GROUP)
+    assert tier.contains(make_block(1).key, dir=DIR)
     writer.close()
 
 
@@ -107,8 +107,8 @@ def test_reads_while_the_writer_thread_puts(tier: SsdTier):
     def read() -> None:
         while not done.is_set():
             for b in blocks:
-                if tier.contains(b.key, group=GROUP):
-                    back = tier.get(b.key, group=GROUP, tokens=b.tokens)
+                if tier.contains(b.key, dir=DIR):
+                    back = tier.get(b.key, dir=DIR, tokens=b.tokens)
                     assert back is not None and bytes(back.payload) == b.payload
                     served.append(b.key)
 

@@ -97,10 +97,10 @@ def wait_idle(server: Server, timeout_s: float = 60) -> None:
 
 
 def indexed(kv_dir: Path) -> dict[str, tuple[str, bytes]]:
-    """Returns path -> (group, key) of every committed index row, read beside the server."""
+    """Returns path -> (dir, key) of every committed index row, read beside the server."""
     db = sqlite3.connect(f"file:{kv_dir / 'index.sqlite'}?mode=ro", uri=True)
     try:
-        return {path: (grp, key) for path, grp, key in db.execute("SELECT path, grp, key FROM blocks")}
+        return {path: (dir, key) for path, dir, key in db.execute("SELECT path, dir, key FROM blocks")}
     finally:
         db.close()
 
@@ -139,8 +139,8 @@ def test_sigkill_during_ssd_writes_then_restart_keeps_every_acknowledged_block(
     assert set(acknowledged) <= set(rows), "a block acknowledged before the kill is gone"
     files = {str(p.relative_to(kv_dir)) for p in kv_dir.rglob("*.kv")}
     assert files == set(rows) and not list(kv_dir.rglob("*.tmp"))
-    for path, (group, key) in rows.items():
-        decode(read_file(kv_dir / path), key=key, group=group, tokens=None)  # raises if damaged
+    for path, (dir, key) in rows.items():
+        decode(read_file(kv_dir / path), key=key, dir=dir, tokens=None)  # raises if damaged
 
 
 @pytest.mark.parametrize("mode, reason", [("enospc", "ENOSPC"), ("eacces", "Permission denied")])
