@@ -118,7 +118,7 @@ class Engine:
         self._stopping = False
         self._waiting: deque[Slot] = deque()  # engine thread only
         self._running: dict[int, Slot] = {}  # engine thread only: uid -> slot
-        self._batch: Scheduler | None = None
+        self._scheduler: Scheduler | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{loaded.name}", daemon=True)
         self._warm = threading.Event()
         self.warm_up_s: float | None = None
@@ -177,9 +177,9 @@ class Engine:
         """Applies new batching limits from the next step on; running requests keep going."""
         with self._cond:
             self.limits = limits
-            if self._batch is not None:
-                self._batch.chunk_tokens = limits.prefill_chunk_tokens
-                self._batch.step_s = limits.prefill_step_s
+            if self._scheduler is not None:
+                self._scheduler.chunk_tokens = limits.prefill_chunk_tokens
+                self._scheduler.step_s = limits.prefill_step_s
             self._cond.notify()
 
     def cancel(self, slot: Slot) -> None:
@@ -202,7 +202,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._batch = self._new_batch()
+            self._scheduler = self._new_scheduler()
             if self._warm_up():
                 self._loop()
         except BaseException:  # never leave requests hanging on a dead engine
@@ -253,14 +253,14 @@ class Engine:
 
     def _run_alone(self, slot: Slot) -> None:
         """Generates `slot`'s request to its end on an idle batch, delivering nothing."""
-        uid = self._batch.insert(**slot.insert_args())
+        uid = self._scheduler.insert(**slot.insert_args())
         done = False
         while not done:
-            _, generated = self._batch.step()
+            _, generated = self._scheduler.step()
             for r in generated:
                 done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
-            self._batch.advance()
-        self._batch.remove(uid, keep_cache=False)
+            self._scheduler.advance()
+        self._scheduler.remove(uid, keep_cache=False)
 
     def _loop(self) -> None:
         while True:
@@ -294,7 +294,7 @@ class Engine:
         return len(self._running) < self.limits.max_running and any(
             s.prefetch is None or s.prefetch.done() for s in self._waiting)
 
-    def _new_batch(self) -> Scheduler:
+    def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
                          step_s=self.limits.prefill_step_s, lookahead=device_kind() == "gpu",
                          shape_tokens=GPU_SHAPE_TOKENS if device_kind() == "gpu" else 1)
@@ -309,7 +309,7 @@ class Engine:
             self._waiting.remove(slot)
             restored = self._restore(slot)
             try:
-                slot.uid = self._batch.insert(**slot.insert_args(restored))
+                slot.uid = self._scheduler.insert(**slot.insert_args(restored))
             except Exception as e:
                 log.exception("could not admit a request on model %s", self.loaded.name)
                 self._finish(slot, "error", error=f"could not start generation: {e}")
@@ -345,12 +345,12 @@ class Engine:
     def _step(self) -> None:
         """One scheduler step: start and decode, hand the tokens out, then advance a prefill."""
         try:
-            prefilled, generated = self._batch.step()
+            prefilled, generated = self._scheduler.step()
         except Exception as e:
             return self._failed(e)
         self._deliver(prefilled, generated)
         try:
-            self._batch.advance()
+            self._scheduler.advance()
         except Exception as e:
             self._failed(e)
 
@@ -360,7 +360,7 @@ class Engine:
         for slot in list(self._running.values()):
             self._finish(slot, "error", error=f"generation failed: {error}")
         self._running.clear()
-        self._batch = self._new_batch()
+        self._scheduler = self._new_scheduler()
 
     def _deliver(self, prefilled: list[int], generated: list) -> None:
         now = time.perf_counter()
@@ -399,12 +399,12 @@ class Engine:
         # holding the generated tokens too.
         full = stats.prompt_tokens // self.cache.block_tokens * self.cache.block_tokens
         if full > stats.cached_tokens:
-            cache, tokens = self._batch.extract(slot.uid, copy=False)  # the save copies its blocks
+            cache, tokens = self._scheduler.extract(slot.uid, copy=False)  # the save copies its blocks
             self._save(slot, cache, tokens[:full] if tokens else None)
 
     def _remove(self, slot: Slot) -> None:
         """Takes a request out of the batch, keeping its KV."""
-        self._save(slot, *self._batch.remove(slot.uid, keep_cache=self.cache is not None))
+        self._save(slot, *self._scheduler.remove(slot.uid, keep_cache=self.cache is not None))
 
     def _drop(self, slot: Slot, reason: str) -> None:
         if slot.done:
