@@ -7,76 +7,17 @@ plans nothing at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from appliance.spec import BatchingSpec, CacheSpec, KernelsSpec, ModelSpec, Spec
-
-
-@dataclass(frozen=True)
-class ResizeCache:
-    cache: CacheSpec
-
-    def describe(self) -> str:
-        c = self.cache
-        return f"resize cache tiers: memory {c.memory_gb} GB, host {c.host_gb} GB, ssd {c.ssd_gb} GB"
-
-
-@dataclass(frozen=True)
-class ReopenCache:
-    """The cache moved (`dir`) or changed its block size: a new store, new key spaces."""
-
-    cache: CacheSpec
-
-    def describe(self) -> str:
-        return f"reopen the cache at {self.cache.dir} with {self.cache.block_tokens}-token blocks"
-
-
-@dataclass(frozen=True)
-class SetBatching:
-    batching: BatchingSpec
-
-    def describe(self) -> str:
-        b = self.batching
-        return (f"set batching limits: max_running {b.max_running}, max_queued {b.max_queued}, "
-                f"prefill_chunk_tokens {b.prefill_chunk_tokens}, prefill_step_ms {b.prefill_step_ms}")
-
-
-@dataclass(frozen=True)
-class SelectKernels:
-    kernels: KernelsSpec
-
-    def describe(self) -> str:
-        return "select kernels: " + ", ".join(f"{k}={v}" for k, v in self.kernels.model_dump().items())
-
-
-@dataclass(frozen=True)
-class UnloadModel:
-    name: str
-
-    def describe(self) -> str:
-        return f"unload model {self.name}"
-
-
-@dataclass(frozen=True)
-class LoadModel:
-    spec: ModelSpec
-    replaces: bool = False  # a changed model: load the new one beside the old, then swap
-
-    def describe(self) -> str:
-        verb = "reload" if self.replaces else "load"
-        return f"{verb} model {self.spec.name} from {self.spec.source}"
-
-
-@dataclass(frozen=True)
-class Rebind:
-    host: str
-    port: int
-
-    def describe(self) -> str:
-        return f"rebind the server to {self.host}:{self.port}"
-
-
-Action = ResizeCache | ReopenCache | SetBatching | SelectKernels | UnloadModel | LoadModel | Rebind
+from appliance.reconcile.actions import (
+    Action,
+    LoadModel,
+    Rebind,
+    ReopenCache,
+    ResizeCache,
+    SelectKernels,
+    SetBatching,
+    UnloadModel,
+)
+from appliance.spec import ModelSpec, Spec
 
 
 def plan(applied: Spec, desired: Spec) -> tuple[Action, ...]:

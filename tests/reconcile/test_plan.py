@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from appliance.reconcile.plan import (
+from appliance.reconcile.actions import (
     LoadModel,
     Rebind,
     ReopenCache,
@@ -14,8 +14,8 @@ from appliance.reconcile.plan import (
     SelectKernels,
     SetBatching,
     UnloadModel,
-    plan,
 )
+from appliance.reconcile.plan import plan
 from appliance.spec import Spec
 
 A = {"name": "a", "source": "a.gguf", "default": True}
@@ -122,16 +122,3 @@ def test_unloads_come_before_loads():
     assert {(a.spec.name, a.replaces) for a in actions if isinstance(a, LoadModel)} == {
         ("a", True), ("d", False)}
 
-
-def test_every_action_describes_itself():
-    applied = spec(A, B)
-    desired = spec({**A, "source": "a2.gguf"}, {"name": "c", "source": "c.gguf"},
-                   cache={"block_tokens": 64}, batching={"max_running": 1},
-                   kernels={"attention": "native"}, server={"port": 9001})
-    resized = spec(cache={"ssd_gb": 1.0})
-    actions = plan(applied, desired) + plan(applied, resized)
-    assert set(kinds(actions)) == {ResizeCache, ReopenCache, SetBatching, SelectKernels,
-                                   UnloadModel, LoadModel, Rebind}
-    for action in actions:
-        text = action.describe()
-        assert isinstance(text, str) and text.strip(), action
