@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from functools import cache
 
 log = logging.getLogger("omlx.platform")
@@ -35,6 +36,22 @@ PREFAULT_CHUNK_BYTES = 16 << 20  # under the mmap threshold: served from the hea
 def openblas_path() -> str | None:
     """Returns the path of Debian's OpenBLAS when it is installed, else None."""
     return next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
+
+
+def preload(environ: Mapping[str, str], library: str | None) -> dict[str, str]:
+    """Returns a copy of `environ` with `library` first in LD_PRELOAD (a plain copy when
+    `library` is None or listed already)."""
+    env = dict(environ)
+    listed = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    if library is not None and library not in listed:
+        env["LD_PRELOAD"] = ":".join([library, *listed])
+    return env
+
+
+def openblas_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Returns a copy of `environ` that preloads OpenBLAS when it is installed: for a child
+    process that imports MLX (a server, a benchmark's worker)."""
+    return preload(environ, openblas_path())
 
 
 def blas_preloaded() -> bool:
@@ -67,7 +84,7 @@ def process_env(environ: dict[str, str], *, blas: str | None, blas_loaded: bool,
     env = dict(environ)
     changed = False
     if blas is not None and not blas_loaded:
-        env["LD_PRELOAD"] = ":".join(p for p in (blas, env.get("LD_PRELOAD", "")) if p)
+        env = preload(env, blas)
         changed = True
     if glibc:
         own = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
@@ -82,9 +99,10 @@ def process_env(environ: dict[str, str], *, blas: str | None, blas_loaded: bool,
     return env
 
 
-def ensure_process_env() -> None:
+def ensure_process_env(*, malloc: bool = True) -> None:
     """Re-executes this process (same interpreter and arguments) once, with OpenBLAS
-    preloaded and glibc's allocator tuned, when either is missing. Linux only.
+    preloaded and (unless `malloc` is False) glibc's allocator tuned, when either is
+    missing. Linux only; call it before anything imports MLX.
 
     MLX's Linux CPU wheel uses a slow reference BLAS; OpenBLAS gives identical results
     about 30x faster. The library must be preloaded before MLX loads, and glibc reads its
@@ -92,7 +110,8 @@ def ensure_process_env() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
-    env = process_env(dict(os.environ), blas=openblas_path(), blas_loaded=blas_preloaded(), glibc=is_glibc())
+    env = process_env(dict(os.environ), blas=openblas_path(), blas_loaded=blas_preloaded(),
+                      glibc=malloc and is_glibc())
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,19 @@ def test_nothing_to_change_means_no_re_exec():
     assert process_env({}, blas=None, blas_loaded=False, glibc=False) is None  # musl, no OpenBLAS
 
 
+def test_preload_puts_the_library_first_once():
+    assert platform.preload({"LD_PRELOAD": "/x.so"}, "/blas.so")["LD_PRELOAD"] == "/blas.so:/x.so"
+    assert platform.preload({}, "/blas.so")["LD_PRELOAD"] == "/blas.so"
+    assert platform.preload({"LD_PRELOAD": "/x.so:/blas.so"}, "/blas.so")["LD_PRELOAD"] == "/x.so:/blas.so"
+    assert platform.preload({"PATH": "/bin"}, None) == {"PATH": "/bin"}  # not installed: unchanged
+
+
+def test_a_child_environment_preloads_the_installed_openblas():
+    env = platform.openblas_env({"PATH": "/bin"})
+    assert env.get("LD_PRELOAD") == platform.openblas_path()  # None where OpenBLAS is absent
+    assert env["PATH"] == "/bin"
+
+
 def run_python(code: str) -> str:
     env = {k: v for k, v in __import__("os").environ.items()
            if k not in ("GLIBC_TUNABLES", "OMLX_PROCESS_ENV")}
@@ -50,6 +64,24 @@ def test_the_process_re_executes_itself_with_the_tunables():
     out = run_python("from appliance import platform; platform.ensure_process_env(); "
                      "print(platform.malloc_tuned())")
     assert out.split() == ["True"]
+
+
+@linux_glibc
+def test_the_malloc_tunables_can_be_left_out():
+    out = run_python("from appliance import platform; platform.ensure_process_env(malloc=False); "
+                     "print(platform.malloc_tuned())")
+    assert out.split() == ["False"]
+
+
+@linux_glibc
+def test_omlx_serve_re_executes_before_the_cli_imports(tmp_path):
+    # -X importtime survives the re-exec: what the first process imported shows twice.
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OMLX_PROCESS_ENV")}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "appliance", "serve", "--config",
+                           str(tmp_path / "missing.toml")], env=env, capture_output=True, text=True, timeout=120)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert imported.count("appliance.platform") == 2  # it did re-execute
+    assert imported.count("pydantic") == 1 and imported.count("appliance.cli") == 1
 
 
 @linux_glibc
