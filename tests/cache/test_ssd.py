@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -188,6 +189,26 @@ def test_restart_keeps_blocks_and_their_recency(tmp_path: Path):
         assert [tier.contains(b.key, dir=DIR) for b in blocks] == [True, False, True]
         assert bytes(get(tier, blocks[0]).payload) == blocks[0].payload
         assert len(kv_files(tmp_path)) == 2
+
+
+def test_a_dir_of_the_previous_format_starts_empty(tmp_path: Path):
+    """Format 1 (schema 2) said "group" and let a first block's parent be null: its index
+    is dropped and its files removed, never read as this format's."""
+    old = tmp_path / relative_path(DIR, b"\x01" * 32)
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"OMLXKV\r\n" + b"\x01\x00\x00\x00" + b"\x00" * 64)
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("CREATE TABLE blocks (path TEXT PRIMARY KEY, grp TEXT NOT NULL, key BLOB NOT NULL, parent BLOB, "
+               "nbytes INTEGER NOT NULL, last_used INTEGER NOT NULL, written INTEGER NOT NULL) WITHOUT ROWID")
+    db.execute("INSERT INTO blocks VALUES (?, ?, ?, NULL, 80, 1, 1)",
+               (relative_path(DIR, b"\x01" * 32), DIR, b"\x01" * 32))
+    db.execute("PRAGMA user_version=2")
+    db.commit()
+    db.close()
+    with SsdTier(tmp_path, budget_bytes=2**30) as tier:
+        assert tier.stats()["blocks"] == 0 and not old.exists()
+        b = make_block(0)
+        assert tier.put(b) and get(tier, b) is not None
 
 
 def test_startup_reconciles_index_and_files(tmp_path: Path):
