@@ -7,6 +7,7 @@ a fake for the fault, the rest of the server is real.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sqlite3
@@ -53,19 +54,29 @@ elif _DIR and _MODE == "eacces":
             raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
         return _open(path, flags, mode, dir_fd=dir_fd)
     os.open = open_
-elif _DIR and _MODE == "slow_fsync":
-    _fsync = os.fsync
+elif _DIR and _MODE == "stall_fsync":
+    _fsync, _num_synced = os.fsync, [0]
 
-    def fsync(fd):  # each block file takes a while: a kill lands in the middle of writes
+    def fsync(fd):  # two block files are written, then the writer hangs in the third one's
         if stat.S_ISREG(os.fstat(fd).st_mode) and _under(fd):
-            time.sleep(float(os.environ.get("FAULT_FSYNC_S", "0.3")))
+            if _num_synced[0] >= 2:
+                time.sleep(3600)
+            _num_synced[0] += 1
         return _fsync(fd)
     os.fsync = fsync
+elif _MODE == "small_sndbuf":
+    import socket
+    _listen = socket.socket.listen
+
+    def listen(self, *args):  # accepted connections inherit it: a slow reader pushes back at once
+        self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return _listen(self, *args)
+    socket.socket.listen = listen
 '''
 
 
 def inject(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str, kv_dir: Path) -> None:
-    """Makes the next started server fail `mode` for files under `kv_dir`."""
+    """Makes the next started server fail `mode` (for files under `kv_dir`)."""
     site = tmp_path / "fault-site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -113,14 +124,14 @@ def test_sigkill_during_ssd_writes_then_restart_keeps_every_acknowledged_block(
     port = free_port()
     config = write_config(tmp_path / "omlx.toml", port=port, cache_extra=SMALL_BLOCKS)
     kv_dir = tmp_path / "cache" / "kv"
-    inject(monkeypatch, tmp_path, "slow_fsync", kv_dir)
+    inject(monkeypatch, tmp_path, "stall_fsync", kv_dir)
     server = start_server(config, port, tmp_path / "first.log")
     try:
-        first = chat(server, "Summarize the rules.")
-        chat(server, "List the rules in reverse order.")  # more blocks queued behind the first
-        wait_for(lambda: len(indexed(kv_dir)) >= 2)
+        first = chat(server, "Summarize the rules.")  # ~8 blocks of 64 tokens to write
+        wait_for(lambda: list(kv_dir.rglob("*.tmp")))  # the third is being written
         acknowledged = indexed(kv_dir)  # committed rows: put() has returned True for them
-        assert get(server, "/admin/api/cache")["tiers"]["ssd"]["writer"]["pending_blocks"] > 0
+        assert len(acknowledged) == 2
+        assert get(server, "/admin/api/cache")["tiers"]["ssd"]["writer"]["pending_blocks"] > 1
     finally:
         server.stop(signal.SIGKILL)
     assert server.process.returncode == -signal.SIGKILL
@@ -257,12 +268,15 @@ def test_sigterm_while_the_model_loads_exits_cleanly_without_waiting_for_it(tmp_
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory):
-    """A server running one request at a time (so one held slot would stall everyone)."""
+    """A server running one request at a time (so one held slot would stall everyone), with
+    4 KB socket send buffers (so a client that stops reading pushes back on the server)."""
     root = tmp_path_factory.mktemp("faults")
     port = free_port()
     config = write_config(root / "omlx.toml", port=port)
     config.write_text(config.read_text().replace("max_running = 4", "max_running = 1"))
-    srv = start_server(config, port, root / "server.log")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        inject(monkeypatch, root, "small_sndbuf", root / "no-kv-fault")
+        srv = start_server(config, port, root / "server.log")
     yield srv
     srv.stop()
 
@@ -308,6 +322,16 @@ def test_client_leaving_mid_stream_frees_the_slot_for_the_next(small: Server, ap
     assert chat(small, "Name the first rule.")["prompt"] > 0
 
 
+def read_all(sock: socket.socket) -> bytes:
+    """Returns what arrives until the server has sent nothing for a second."""
+    sock.settimeout(1.0)
+    chunks = []
+    with contextlib.suppress(TimeoutError):
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def test_slow_reader_does_not_hold_the_batch_slot(small: Server):
     """A client that stops reading its stream: its request finishes generating into the
     server's buffers, and the next request gets the only slot while it still dawdles."""
@@ -326,8 +350,9 @@ def test_slow_reader_does_not_hold_the_batch_slot(small: Server):
         nxt = chat(small, "Name the first rule.")  # waits for the slot, then gets it
         assert nxt["prompt"] > 0
         wait_idle(small)
-        unread = slow.recv(1 << 20)  # the slow stream is still open and has data waiting
-        assert unread
+        unread = read_all(slow)  # the whole answer: far more than the two 4 KB socket buffers,
+        assert len(unread) > 128 * 1024  # so the server held it while the engine went on
+        assert b"data: [DONE]" in unread
     finally:
         slow.close()
     wait_idle(small)
