@@ -315,6 +315,7 @@ class Engine:
                 self._finish(slot, "error", error=f"could not start generation: {e}")
                 continue
             slot.stats.admitted_at = time.perf_counter()
+            slot.saved_tokens = slot.stats.cached_tokens
             self._running[slot.uid] = slot
 
     def _restore(self, slot: Slot) -> Any:
@@ -332,13 +333,15 @@ class Engine:
         slot.stats.cached_by_tier = restored.tiers
         return restored
 
-    def _save(self, slot: Slot, cache: list | None, tokens: list[int] | None) -> None:
-        """Stores the request's new KV blocks (prompt and generated tokens)."""
+    def _save(self, slot: Slot, cache: list | None, tokens: list[int] | None, *,
+              skip_tokens: int | None = None) -> None:
+        """Stores the request's new KV blocks (prompt and generated tokens), those of
+        `tokens` past `skip_tokens` (default: past its restored prefix)."""
         if self.cache is None or not cache or not tokens:
             return
         try:
             self.cache.save(cache, tokens, tenant=slot.request.tenant,
-                            skip_tokens=slot.stats.cached_tokens)
+                            skip_tokens=slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
         except Exception:
             log.exception("cache save failed on model %s", self.loaded.name)
 
@@ -352,7 +355,38 @@ class Engine:
         try:
             self._scheduler.advance()
         except Exception as e:
-            self._failed(e)
+            return self._failed(e)
+        self._save_computed()
+
+    def _save_computed(self) -> None:
+        """Saves the full prompt blocks that running requests computed, at most one
+        prefill chunk's worth a step, so each copy follows the chunk that made it (the
+        last chunks, prefilled with the first token, over the next few steps) and
+        concurrent requests share a long prompt's prefix before it finishes.
+
+        Saved all at once after the prefill, a 25K-token prompt's 50 blocks stalled the
+        next decode step by 110-145 ms on an H200 (BENCHMARKS.md, "GPU"). Full blocks
+        only: the prompt's partial tail block is saved once, at the finish, with the
+        generated tokens (and whatever this left, if it finishes first).
+        """
+        if self.cache is None:
+            return
+        b = self.cache.block_tokens
+        budget = max(self.limits.prefill_chunk_tokens, b)
+        for slot in list(self._running.values()):
+            full = slot.stats.prompt_tokens // b * b
+            if slot.saved_tokens >= full:
+                continue
+            if budget < b:
+                return
+            cache, tokens = self._scheduler.extract(slot.uid, copy=False)  # the save copies its blocks
+            if not cache or not tokens or cache[0].keys is None:
+                continue
+            end = min(len(tokens), cache[0].offset, full, slot.saved_tokens + budget) // b * b
+            if end > slot.saved_tokens:
+                self._save(slot, cache, tokens[:end], skip_tokens=slot.saved_tokens)
+                budget -= end - slot.saved_tokens
+                slot.saved_tokens = end
 
     def _failed(self, error: Exception) -> None:
         """An MLX failure fails the batch, not the engine."""
@@ -386,21 +420,12 @@ class Engine:
             self._prefilled(slot, now)
 
     def _prefilled(self, slot: Slot, now: float) -> None:
-        """Records prefill speed and saves the prompt's full KV blocks, so concurrent requests
-        share them."""
+        """Records prefill speed (the prompt's blocks are saved by `_save_computed`)."""
         stats = slot.stats
         computed = stats.prompt_tokens - stats.cached_tokens
         if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
             rate = computed / (now - stats.admitted_at)
             self.prefill_tok_s = moving_average(self.prefill_tok_s, rate)
-        if self.cache is None or slot.done:
-            return
-        # Full blocks only: the prompt's partial tail block is saved once, at the finish,
-        # holding the generated tokens too.
-        full = stats.prompt_tokens // self.cache.block_tokens * self.cache.block_tokens
-        if full > stats.cached_tokens:
-            cache, tokens = self._scheduler.extract(slot.uid, copy=False)  # the save copies its blocks
-            self._save(slot, cache, tokens[:full] if tokens else None)
 
     def _remove(self, slot: Slot) -> None:
         """Takes a request out of the batch, keeping its KV."""

@@ -23,6 +23,7 @@ class Slot:
         self.done = False
         self.handle: Any = None
         self.prefetch: Future | None = None  # SSD reads started at submit
+        self.saved_tokens = 0  # the prompt's full KV blocks up to here are saved (or were cached)
         self._stop_ids = frozenset(loaded.eos_token_ids) | frozenset(request.stop_token_ids)
         self._detokenizer = loaded.tokenizer.detokenizer
         if not request.trim_leading_space:

@@ -129,3 +129,49 @@ def test_stopped_engine_refuses_new_requests(loaded_model):
 
     with pytest.raises(EngineClosed):
         asyncio.run(main())
+
+
+def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_path, monkeypatch):
+    """The prompt's KV blocks are copied out after each prefill chunk, at most a chunk's
+    worth a step, never all in one step after it (one step copying a 25K-token prompt
+    stalled decoding on a GPU); each block once, and a repeat restores them exactly."""
+    from appliance.cache.kv import probe_layout
+    from appliance.cache.model_cache import ModelCache
+    from appliance.cache.store import KVStore
+
+    block, chunk = 16, 64
+    store = KVStore(root=tmp_path / "kv", memory_bytes=256 << 20, host_bytes=0, ssd_bytes=0)
+    cache = ModelCache(store, weights="cd" * 32, compute_dtype="float32",
+                       layout=probe_layout(loaded_model.model), block_tokens=block)
+    saves, seen = [], {}
+    real = cache.save
+
+    def spy(kv, tokens, *, tenant, skip_tokens):
+        first = seen.get("stats") is not None and seen["stats"].first_token_at is not None
+        saves.append((skip_tokens, len(tokens), first))
+        return real(kv, tokens, tenant=tenant, skip_tokens=skip_tokens)
+
+    monkeypatch.setattr(cache, "save", spy)
+    eng = Engine(loaded_model, BatchingSpec(max_running=2, max_queued=2, prefill_chunk_tokens=chunk),
+                 cache=cache).start()
+    prompt = tuple(range(1000, 1600))  # 600 tokens: chunks of 64, then the rest at once
+    full = len(prompt) // block * block
+    try:
+        async def go():
+            handle = eng.submit(GenerationRequest(prompt_tokens=prompt, max_tokens=3, sampling=GREEDY))
+            seen["stats"] = handle.stats
+            tokens = [t async for e in handle if isinstance(e, Delta) for t in e.token_ids]
+            return tokens, handle.stats
+
+        first, _ = asyncio.run(go())
+        before_first = [s for s in saves if not s[2]]
+        assert len(before_first) >= 3  # one per chunk, not one at the end
+        assert max(n - skip for skip, n, _ in saves[:-1]) <= chunk  # the last one: the finish
+        # Each block was copied once: the prompt's full ones, then the tail at the finish.
+        assert cache.counters["saved_blocks"] == full // block + 1
+        again, stats = asyncio.run(go())
+        assert stats.cached_tokens == len(prompt) - 1  # the tail block too; one token is left to run
+        assert again == first
+    finally:
+        eng.stop(drain_s=0)
+        store.close()
