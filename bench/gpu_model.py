@@ -81,6 +81,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokenizer", type=Path, default=None, help="a dir holding tokenizer.json etc.")
     args = parser.parse_args()
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:  # managed memory: never let MLX ask for more than the card has
+        mx.set_memory_limit(100 << 30)
     started = time.perf_counter()
     model, cfg = generate(args.shape, seed=args.seed)
     built = time.perf_counter()
