@@ -195,15 +195,23 @@ class Appliance:
             raise ModelUnavailable(f"model {entry.spec.name} is still loading", retry_after_s=5)
         raise ModelUnavailable(f"model {entry.spec.name} is not available: {entry.error or entry.state}")
 
-    def stop(self, *, drain_s: float) -> None:
-        """Stops every engine (running requests get `drain_s` to finish), then flushes the cache."""
+    # --- shutdown: the order is server/lifespan.py's `shutdown` ---------------------------
+
+    def stop_engines(self, *, drain_s: float) -> None:
+        """Stops every engine; running requests get `drain_s` to finish."""
         for entry in self.models.values():
             if entry.engine is not None:
                 entry.engine.stop(drain_s=drain_s)
                 entry.state = "stopped"
+
+    def cancel_prefetches(self) -> None:
+        """Drops the SSD prefetches not started yet."""
         self._prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    def close_store(self, *, flush_s: float) -> None:
+        """Writes the blocks queued for the SSD (waiting at most `flush_s`), then closes the store."""
         if self.store is not None:
-            self.store.flush(timeout_s=30)
+            self.store.flush(timeout_s=flush_s)
             self.store.close()
 
     def cache_stats(self) -> dict:

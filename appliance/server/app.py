@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -12,35 +10,23 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from appliance.reconcile.apply import Reconciler
-from appliance.reconcile.watch import watch
 from appliance.runtime import Appliance
 from appliance.server import admin, anthropic, config_edits, dashboard, metrics, openai, openapi, responses
 from appliance.server.errors import EXCEPTION_HANDLERS
 from appliance.server.guard import Guard
+from appliance.server.lifespan import lifespan
 
 
 def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[Any]] | None = None,
               watch_config: bool = True) -> Starlette:
     """Returns the Starlette app serving `appliance`.
 
-    At startup models load in the background and the config watcher starts; every saved
-    change of the config is then reconciled live.
+    Its lifespan is `lifespan.startup` (models load in the background, the config watcher
+    starts) and `lifespan.shutdown`.
     """
     reconciler = Reconciler(appliance, rebind=rebind)
     counters = metrics.Metrics(appliance, reconciler)
     appliance.on_request_finished = counters.observe
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        appliance.start()
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(watch(reconciler, stop)) if watch_config else None
-        yield
-        stop.set()
-        if watcher is not None:
-            await watcher
-        # uvicorn has already let open streams drain for drain_timeout_s.
-        await asyncio.to_thread(appliance.stop, drain_s=0)
 
     api = [*openai.ROUTES, *anthropic.ROUTES, *responses.ROUTES]
     app = Starlette(
@@ -49,7 +35,7 @@ def build_app(appliance: Appliance, *, rebind: Callable[[str, int], Awaitable[An
         exception_handlers=EXCEPTION_HANDLERS,
         # Counted first, so refused requests count too; then keys, tenants, limits.
         middleware=[Middleware(metrics.CountRequests), Middleware(Guard)],
-        lifespan=lifespan,
+        lifespan=lifespan(appliance, reconciler, watch_config=watch_config),
     )
     app.state.appliance = appliance
     app.state.reconciler = reconciler

@@ -1,4 +1,8 @@
-"""`omlx serve`: logging, the appliance, uvicorn, and a graceful, bounded shutdown."""
+"""`omlx serve`: logging, the appliance, uvicorn, and a graceful, bounded shutdown.
+
+On SIGTERM or SIGINT uvicorn stops accepting connections and drains the open ones for
+`server.drain_timeout_s`; then `lifespan.shutdown` stops the rest, in its labelled order.
+"""
 
 from __future__ import annotations
 
