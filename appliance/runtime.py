@@ -113,15 +113,9 @@ class Appliance:
                      time.perf_counter() - started)
 
     def open_store(self, cache: CacheSpec, cache_dir: Path) -> KVStore:
-        """Returns the KV store on `cache_dir`/kv, a directory only this user may enter (it
-        holds every tenant's prompts; files are created private too: see runner's umask)."""
-        root = cache_dir / "kv"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            root.chmod(0o700)
-        except OSError as e:  # the SSD tier reports what is wrong with the directory
-            log.warning("cache directory %s: %s", root, e)
-        return KVStore(root=root, memory_bytes=cache.memory_bytes,
+        """Returns the KV store on `cache_dir`/kv (its SSD tier creates the directory, for
+        this user only)."""
+        return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
                        host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
 
     def load_into(self, entry: ModelEntry, config: LoadedConfig, *, store: KVStore | None = None) -> None:

@@ -269,7 +269,7 @@ class SsdTier:
 
     def _open(self) -> SsdIndex:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_private_dir(self.root)
             self._lock_fd = _lock_root(self.root / "lock")
             index = SsdIndex(self.root / "index.sqlite")
         except (OSError, sqlite3.Error) as e:
@@ -430,6 +430,16 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info.mode = 0o644
     info.mtime = int(time.time())
     tar.addfile(info, io.BytesIO(data))
+
+
+def _make_private_dir(path: Path) -> None:
+    """Creates `path` (and its parents) when missing; only this user may enter it: it holds
+    every tenant's prompts (files are created private too: see runner's umask)."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.chmod(0o700)
+    except OSError as e:  # not ours: the lock and the index report what else is wrong
+        log.warning("cache directory %s: %s", path, e)
 
 
 def _lock_root(path: Path) -> int:
