@@ -20,6 +20,7 @@ from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
 from appliance.engine.request import RequestStats
+from appliance.kernels.registry import report as kernel_report
 from appliance.models.fingerprint import weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
 from appliance.models.memory import check_memory
@@ -256,7 +257,7 @@ class Appliance:
                 "last_error": self.last_error,
             },
             "server": {"host": self.spec.server.host, "port": self.spec.server.port},
-            "kernels": self.spec.kernels.model_dump(),
+            "kernels": kernel_report(self.spec.kernels.model_dump()),
             "models": [e.to_data(default=name == self.spec.default_model.name)
                        for name, e in self.models.items()],
         }

@@ -192,10 +192,20 @@ class BatchingSpec(Frozen):
 
 
 class KernelsSpec(Frozen):
-    """One key per kernel: `native` (CUDA/Metal), `generic` (plain MLX) or `auto`."""
+    """One key per kernel of appliance/kernels/registry.py: `native` (CUDA/Metal),
+    `generic` (plain MLX) or `auto` (native where the backend has it)."""
 
-    attention: KernelChoice = "auto"
-    rms_norm: KernelChoice = "auto"
+    kv_quantize: KernelChoice = "auto"
+    kv_dequantize: KernelChoice = "auto"
+
+    @model_validator(mode="after")
+    def _native_exists(self) -> KernelsSpec:
+        from appliance.kernels.registry import refusal
+
+        for name, asked in self.model_dump().items():
+            if (why := refusal(name, asked)) is not None:
+                raise PydanticCustomError("kernel", "kernels.{name} = native: {why}", {"name": name, "why": why})
+        return self
 
 
 class Spec(BaseSettings):

@@ -52,13 +52,13 @@ def test_stdout_is_the_resolved_spec(tmp_path):
 def test_every_error_is_listed_with_its_path(tmp_path):
     path = tmp_path / "omlx.toml"
     path.write_text('[server]\nport = 99999\nprot = 1\n\n[[models]]\nname = "tiny"\n'
-                    '\n[kernels]\nattention = "fast"\n')
+                    '\n[kernels]\nkv_quantize = "fast"\n')
     result = check(path)
     assert result.returncode == 1
     assert result.stdout == ""
     assert "4 error(s)" in result.stderr
     for line in ["server.port: ", "server.prot: unknown key", "models[0].source: required key is missing",
-                 "kernels.attention: "]:
+                 "kernels.kv_quantize: "]:
         assert line in result.stderr
 
 

@@ -108,7 +108,7 @@ def test_underscore_keys_are_unknown_not_settings_options(tmp_path, key):
         ("cache", "memory_gb = -1.0", "cache.memory_gb", "greater than or equal to 0"),
         ("cache", 'block_tokens = "lots"', "cache.block_tokens", "valid integer"),
         ("cache", "block_tokens = 2.5", "cache.block_tokens", "valid integer"),
-        ("kernels", 'attention = "fast"', "kernels.attention", "'auto', 'generic' or 'native'"),
+        ("kernels", 'kv_quantize = "fast"', "kernels.kv_quantize", "'auto', 'generic' or 'native'"),
         ("batching", "max_running = 0", "batching.max_running", "greater than or equal to 1"),
     ],
 )
@@ -179,11 +179,11 @@ dtype = "float8"
 memory_gb = -2
 
 [kernels]
-rms_norm = "fast"
+kv_dequantize = "fast"
 """
     found = issues(config(tmp_path, text))
     assert set(found) == {"server.port", "server.prot", "models[0].source", "models[0].dtype",
-                          "cache.memory_gb", "kernels.rms_norm"}
+                          "cache.memory_gb", "kernels.kv_dequantize"}
 
 
 def test_error_records_file_and_data(tmp_path):

@@ -25,7 +25,7 @@ def test_defaults_of_every_section():
     assert spec.cache == CacheSpec(dir="~/.omlx/cache", block_tokens=256, memory_gb=2.0,
                                    host_gb=4.0, ssd_gb=50.0)
     assert spec.batching == BatchingSpec(max_running=8, max_queued=64, prefill_chunk_tokens=512)
-    assert spec.kernels == KernelsSpec(attention="auto", rms_norm="auto")
+    assert spec.kernels == KernelsSpec(kv_quantize="auto", kv_dequantize="auto")
     model = spec.models[0]
     assert (model.default, model.dtype, model.max_context_tokens, model.default_max_tokens) == (
         False, "auto", None, 512)
@@ -94,7 +94,7 @@ def test_good_model_names(name):
         ("cache", "block_tokens", 8),
         ("cache", "block_tokens", "big"),
         ("batching", "max_running", 0),
-        ("kernels", "attention", "fast"),
+        ("kernels", "kv_quantize", "fast"),
     ],
 )
 def test_bad_section_values(section, key, value):
@@ -187,7 +187,7 @@ def test_hash_is_stable_and_tracks_every_key():
         Spec(models=ONE_MODEL, cache={"memory_gb": 2.5}),
         Spec(models=[{"name": "tiny", "source": "other.gguf"}]),
         Spec(models=[{"name": "tiny", "source": "tiny.gguf", "max_context_tokens": 1024}]),
-        Spec(models=ONE_MODEL, kernels={"rms_norm": "generic"}),
+        Spec(models=ONE_MODEL, kernels={"kv_dequantize": "generic"}),
     ]
     hashes = {s.hash for s in changed}
     assert base.hash not in hashes
@@ -250,3 +250,9 @@ def test_limits_have_defaults_and_bounds():
     assert (limits.max_body_bytes, limits.max_prompt_tokens, limits.max_tokens) == (32 * 2**20, None, 65_536)
     with pytest.raises(ValidationError, match="limits.max_concurrent_per_key|max_concurrent_per_key"):
         Spec(models=ONE_MODEL, limits={"max_concurrent_per_key": 0})
+
+
+def test_a_native_kernel_the_backend_lacks_is_refused_naming_its_key():
+    with pytest.raises(ValidationError, match=r"kernels.kv_dequantize = native: no native kv_dequantize kernel "
+                                              r"for the cpu backend; use auto or generic"):
+        Spec(models=ONE_MODEL, kernels={"kv_dequantize": "native"})

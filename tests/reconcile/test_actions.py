@@ -27,7 +27,7 @@ def every_kind() -> tuple[Spec, tuple[Action, ...]]:
     each other)."""
     applied = Spec(models=[A, B])
     desired = Spec(models=[{**A, "source": "a2.gguf"}, C], cache={"block_tokens": 64},
-                   batching={"max_running": 1}, kernels={"attention": "native"}, server={"port": 9001})
+                   batching={"max_running": 1}, kernels={"kv_quantize": "generic"}, server={"port": 9001})
     resized = Spec(models=[A, B], cache={"ssd_gb": 1.0})
     actions = plan(applied, desired) + plan(applied, resized)
     assert {type(a) for a in actions} == {ResizeCache, ReopenCache, SetBatching, SelectKernels,

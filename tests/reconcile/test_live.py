@@ -120,10 +120,10 @@ def test_changed_model_section_swaps_with_in_flight_requests_finishing(live):
 def test_batching_and_kernels_change_live(live):
     server, config, text = live
     save(config, text.replace("max_queued = 8", "max_queued = 3").replace(
-        "prefill_chunk_tokens = 256", "prefill_chunk_tokens = 128") + '\n[kernels]\nattention = "generic"\n')
+        "prefill_chunk_tokens = 256", "prefill_chunk_tokens = 128") + '\n[kernels]\nkv_quantize = "generic"\n')
     entry = wait_for(lambda: (m := model_entry(server))["limits"]["max_queued"] == 3 and m)
     assert entry["limits"]["prefill_chunk_tokens"] == 128
-    assert status(server)["kernels"]["attention"] == "generic"
+    assert status(server)["kernels"]["kv_quantize"] == {"asked": "generic", "chosen": "generic", "why": "asked for"}
 
 
 def test_rebind_opens_the_new_port_and_closes_the_old(live):

@@ -61,7 +61,7 @@ def test_batching_change_sets_batching():
 
 
 def test_kernels_change_selects_kernels():
-    desired = spec(kernels={"attention": "generic"})
+    desired = spec(kernels={"kv_quantize": "generic"})
     assert plan(spec(), desired) == (SelectKernels(desired.kernels),)
 
 
@@ -104,7 +104,7 @@ def test_everything_changed_is_ordered_safely():
     applied = spec(A, B)
     desired = spec({**A, "dtype": "float16"}, {"name": "c", "source": "c.gguf"},
                    cache={"dir": "/elsewhere"}, batching={"max_queued": 4},
-                   kernels={"rms_norm": "native"}, server={"port": 9001})
+                   kernels={"kv_dequantize": "generic"}, server={"port": 9001})
     assert kinds(plan(applied, desired)) == [ReopenCache, SetBatching, SelectKernels, UnloadModel,
                                              LoadModel, LoadModel, Rebind]
     resized = spec({**A, "dtype": "float16"}, B, cache={"memory_gb": 9.0}, batching={"max_queued": 4})
