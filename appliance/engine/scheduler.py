@@ -57,21 +57,21 @@ class _Prefill:
         return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
-def split_by_length(group: list[_Prefill], pass_tokens: float) -> list[list[_Prefill]]:
-    """Returns `group` (shortest prompt first) cut into consecutive sub-batches, each to be
+def split_by_length(prompts: list[_Prefill], pass_tokens: float) -> list[list[_Prefill]]:
+    """Returns `prompts` (shortest prompt first) cut into consecutive sub-batches, each to be
     prefilled in one padded call, at the least cost: a sub-batch costs its padded size
     (count x its longest prompt, in tokens) plus `pass_tokens` for the call itself."""
-    lengths = [p.todo for p in group]
+    lengths = [p.todo for p in prompts]
     best = [0.0]  # best[j]: the cost of the first j prompts
     cut = [0]  # cut[j]: where the last sub-batch of that best split starts
-    for j in range(1, len(group) + 1):
+    for j in range(1, len(prompts) + 1):
         cost, i = min((best[i] + (j - i) * lengths[j - 1] + pass_tokens, i)
                       for i in range(max(0, j - MAX_SUB_BATCH), j))
         best.append(cost)
         cut.append(i)
-    parts, j = [], len(group)
+    parts, j = [], len(prompts)
     while j:
-        parts.append(group[cut[j]:j])
+        parts.append(prompts[cut[j]:j])
         j = cut[j]
     return parts[::-1]
 
@@ -150,20 +150,20 @@ class Scheduler:
         """Prefills, in one batched call, the shortest prompts whose padded size fits the
         budget, and moves them into the generation batch."""
         budget = self.chunk_tokens * (1 if len(self._generation) else IDLE_BUDGET_FACTOR)
-        group: list[_Prefill] = []
+        starting: list[_Prefill] = []
         for p in sorted(self._prefills, key=lambda p: p.todo):
-            # Shortest first: p is the longest of the group, so the padded size is count x p.todo.
-            if (len(group) + 1) * p.todo > budget:
+            # Shortest first: p is the longest of those starting, so the padded size is count x p.todo.
+            if (len(starting) + 1) * p.todo > budget:
                 break
             if p.todo <= START_STEPS * self._timed_chunk(p):
-                group.append(p)
+                starting.append(p)
         self._budget_left = self.chunk_tokens
-        if not group:
+        if not starting:
             return []
-        for p in group:
+        for p in starting:
             self._prefills.remove(p)
         parts = []
-        for sub in split_by_length(group, self._pass_tokens()):
+        for sub in split_by_length(starting, self._pass_tokens()):
             part = extend_first([p.batch for p in sub])
             todo = [p.remaining[:-1] for p in sub]
             padded = len(sub) * max(map(len, todo))
@@ -175,10 +175,10 @@ class Scheduler:
             parts.append(part)
         batch = extend_first(parts)
         self._generation.extend(self._generation_class(
-            self.model, batch.uids, mx.array([p.remaining[-1] for p in group]), batch.prompt_cache,
+            self.model, batch.uids, mx.array([p.remaining[-1] for p in starting]), batch.prompt_cache,
             batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
             batch.stop_sequences, batch.max_tokens))
-        return [p.uid for p in group]
+        return [p.uid for p in starting]
 
     def advance(self) -> None:
         """Spends the rest of this step's budget on one chunk of the shortest prompt left."""
