@@ -117,7 +117,8 @@ class Appliance:
         """Returns the KV store on `cache_dir`/kv (its SSD tier creates the directory, for
         this user only)."""
         return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
-                       host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
+                       host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes,
+                       host_kv_bits=cache.host_kv_bits, ssd_kv_bits=cache.ssd_kv_bits)
 
     def load_into(self, entry: ModelEntry, config: LoadedConfig, *, store: KVStore | None = None) -> None:
         """Loads `entry`'s model and starts its engine on `store` (default: the current one);

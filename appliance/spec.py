@@ -25,6 +25,7 @@ TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 MIN_KEY_CHARS = 16
 
 KernelChoice = Literal["auto", "generic", "native"]
+KVBits = Literal[16, 8, 4]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
@@ -162,6 +163,18 @@ class CacheSpec(Frozen):
     memory_gb: float = Field(2.0, ge=0)
     host_gb: float = Field(4.0, ge=0)
     ssd_gb: float = Field(50.0, ge=0)
+    # KV precision per tier: 16 keeps it as computed; 8 or 4 quantize it group-wise on its
+    # way down (~1/2 or ~1/4 the bytes of 16-bit KV). bench/kv_quality.py measures the cost.
+    host_kv_bits: KVBits = 16
+    ssd_kv_bits: KVBits = 16
+
+    @model_validator(mode="after")
+    def _slower_tier_no_finer(self) -> CacheSpec:
+        if self.ssd_kv_bits > self.host_kv_bits:
+            raise PydanticCustomError(
+                "kv_bits", "cache.ssd_kv_bits ({ssd}) may not be above cache.host_kv_bits ({host}): "
+                "a block goes down to the SSD from the host tier", {"ssd": self.ssd_kv_bits, "host": self.host_kv_bits})
+        return self
 
     def path(self, base_dir: Path) -> Path:
         """Returns the cache directory; a relative `dir` is relative to the config file."""

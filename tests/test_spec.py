@@ -256,3 +256,11 @@ def test_a_native_kernel_the_backend_lacks_is_refused_naming_its_key():
     with pytest.raises(ValidationError, match=r"kernels.kv_dequantize = native: no native kv_dequantize kernel "
                                               r"for the cpu backend; use auto or generic"):
         Spec(models=ONE_MODEL, kernels={"kv_dequantize": "native"})
+
+
+def test_the_ssd_keeps_kv_at_no_more_bits_than_the_host():
+    assert Spec(models=ONE_MODEL, cache={"host_kv_bits": 8, "ssd_kv_bits": 4}).cache.ssd_kv_bits == 4
+    with pytest.raises(ValidationError, match=r"cache.ssd_kv_bits \(8\) may not be above cache.host_kv_bits \(4\)"):
+        Spec(models=ONE_MODEL, cache={"host_kv_bits": 4, "ssd_kv_bits": 8})
+    with pytest.raises(ValidationError, match="host_kv_bits"):
+        Spec(models=ONE_MODEL, cache={"host_kv_bits": 6})

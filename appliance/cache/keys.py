@@ -1,8 +1,8 @@
 """Block keys: a chained hash of token blocks, rooted in what makes KV reusable at all.
 
 The root covers the model's weights (content), compute dtype, KV layout, block size,
-on-disk format and the tenant, so a key can never match KV written by
-other weights, another layout or another tenant. Each block's key hashes its parent's
+on-disk format, the tiers' KV precision and the tenant, so a key can never match KV written
+by other weights, another layout, another precision or another tenant. Each block's key hashes its parent's
 key with its token ids, so equal keys mean equal prefixes (and hits still compare the
 stored token ids, so a collision cannot serve wrong KV).
 """
@@ -59,8 +59,9 @@ class KeySpace:
 
 
 def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_tokens: int,
-              tenant: str = DEFAULT_TENANT) -> KeySpace:
-    """Returns the key space of a model's KV for one tenant."""
+              tenant: str = DEFAULT_TENANT, kv_bits: tuple[int, int] = (16, 16)) -> KeySpace:
+    """Returns the key space of a model's KV for one tenant, with the host and SSD tiers
+    keeping KV at `kv_bits` (so blocks of other precisions never match)."""
     identity = {
         "format": FORMAT_VERSION,
         "weights": weights,
@@ -69,6 +70,8 @@ def key_space(*, weights: str, compute_dtype: str, layout: KVLayout, block_token
         "block_tokens": block_tokens,
         "tenant": tenant,
     }
+    if kv_bits != (16, 16):  # as computed, the keys of caches written before precisions existed
+        identity["kv_bits"] = list(kv_bits)
     root = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).digest()
     # The directory names the weights and tenant for people; the root keys everything else.
     return KeySpace(root=root, dir=tenant_dir(weights, tenant), block_tokens=block_tokens)

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from appliance.cache.block import Block
 from appliance.cache.keys import KeySpace, KVLayout
 from appliance.engine.mlxlm_seam import BatchCache, set_size
+from appliance.kernels.kv_quant import pack, unpack
 
 
 @dataclass(frozen=True)
@@ -119,44 +120,29 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCac
     return caches
 
 
-def to_bytes(blocks: list[KVBlock]) -> list[Block]:
-    """Returns `blocks` as bytes, each payload its keys+values copied by MLX into one uint8
-    array, all evaluated in one wait.
+def to_bytes(blocks: list[KVBlock], *, bits: int = 16) -> list[Block]:
+    """Returns `blocks` as bytes at `bits` bits (16: as computed; 8, 4: quantized,
+    kernels/kv_quant.py), each payload one uint8 array made by MLX, all evaluated in one
+    wait.
 
     The copy is made by MLX (on a GPU: by the device) and read through the buffer
     protocol by whoever writes it out, so the calling engine thread never waits for the
     bytes to cross to the host (on an H200 that took ~2 s for a 25K-token prompt's blocks,
     stalling decoding).
     """
-    payloads = [mx.concatenate([b.keys.view(mx.uint8).reshape(-1), b.values.view(mx.uint8).reshape(-1)])
-                for b in blocks]
-    mx.eval(payloads)
-    return [Block(b.key, b.parent, b.dir, b.tokens, _meta(b), memoryview(p)) for b, p in zip(blocks, payloads)]
-
-
-def _meta(block: KVBlock) -> dict:
-    return {"dtype": str(block.keys.dtype).removeprefix("mlx.core."),
-            "k_shape": list(block.keys.shape), "v_shape": list(block.values.shape),
-            "k_nbytes": block.keys.nbytes}
+    packed = [pack(b.keys, b.values, bits) for b in blocks]
+    mx.eval([payload for payload, _ in packed])
+    return [Block(b.key, b.parent, b.dir, b.tokens, meta, memoryview(payload))
+            for b, (payload, meta) in zip(blocks, packed)]
 
 
 def from_bytes(block: Block) -> KVBlock:
-    """Returns the block as MLX arrays; raises ValueError when its payload does not fit its
-    meta (KeyError, AttributeError when the meta is not one `to_bytes` wrote)."""
-    meta = block.meta
-    dtype = getattr(mx, meta["dtype"])
-    raw = np.frombuffer(block.payload, dtype=np.uint8)
-    split = meta["k_nbytes"]
-    keys = _array_of(raw[:split], dtype, meta["k_shape"])
-    values = _array_of(raw[split:], dtype, meta["v_shape"])
+    """Returns the block as MLX arrays in the dtype they were computed in (dequantized when
+    stored at 8 or 4 bits); raises ValueError when its payload does not fit its meta
+    (KeyError, AttributeError when the meta is not one `to_bytes` wrote)."""
+    raw = mx.array(np.frombuffer(block.payload, dtype=np.uint8))  # a copy: the buffer may be reused
+    keys, values = unpack(raw, block.meta)
     if keys.shape[2] != len(block.tokens) or values.shape[2] != len(block.tokens):
         raise ValueError("payload shape does not match the block's tokens")
     mx.eval(keys, values)
     return KVBlock(block.key, block.parent, block.dir, block.tokens, keys, values)
-
-
-def _array_of(raw: np.ndarray, dtype: mx.Dtype, shape: list[int]) -> mx.array:
-    expected = int(np.prod(shape)) * dtype.size
-    if raw.nbytes != expected:
-        raise ValueError(f"payload holds {raw.nbytes} bytes, its meta says {expected}")
-    return mx.array(raw).view(dtype).reshape(shape)

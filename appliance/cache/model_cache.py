@@ -19,7 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from appliance.cache.keys import DEFAULT_TENANT, KeySpace, KVLayout, key_space, model_dir
 from appliance.cache.kv import build_batch_cache, cut_blocks
-from appliance.cache.store import SSD, KVStore
+from appliance.cache.store import HOST, SSD, KVStore
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ class ModelCache:
         self.weights = weights
         self.layout = layout
         self.block_tokens = block_tokens
+        # The tiers' precision is part of every key: blocks of another precision never mix.
         self._identity = {"weights": weights, "compute_dtype": compute_dtype, "layout": layout,
-                          "block_tokens": block_tokens}
+                          "block_tokens": block_tokens, "kv_bits": (store.kv_bits[HOST], store.kv_bits[SSD])}
         self._spaces: dict[str, KeySpace] = {}
         self._lock = threading.Lock()
         self.counters: Counter = Counter()
@@ -147,7 +148,7 @@ class ModelCache:
             return lookup
         best, best_gain, gain = 0, 0.0, 0.0
         for n, hit in enumerate(lookup.hits, 1):
-            restore_s = hit.use_tokens * self.layout.bytes_per_token / self.store.rates[hit.tier].bytes_per_s
+            restore_s = self.store.restore_s(hit.tier, hit.use_tokens * self.layout.bytes_per_token)
             gain += hit.use_tokens / prefill_tok_s - restore_s
             if gain > best_gain:
                 best, best_gain = n, gain

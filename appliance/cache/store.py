@@ -6,6 +6,11 @@ hands it to the SSD writer). A hit promotes its block back to memory. On unified
 machines (Apple Silicon, CPUs) "memory" and "host" are the same RAM: host blocks are
 serialized copies, and a block lives in one of the two, never both, so the budgets add up.
 
+The host and SSD tiers may keep KV at fewer bits than computed (`host_kv_bits`,
+`ssd_kv_bits`: 16, 8 or 4). A block is quantized once, on its way down: when memory demotes
+it (to host precision) or when it is written through (to SSD precision); a block spilled
+from host to the SSD keeps the host's precision. A restore dequantizes it back.
+
 MLX work (building arrays) happens on the calling engine thread; `prefetch` only reads
 files into the host tier, so it is safe on an I/O thread.
 """
@@ -26,13 +31,16 @@ from appliance.cache.kv import KVBlock, from_bytes, to_bytes
 from appliance.cache.lru import LruTier
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
+from appliance.kernels.kv_quant import computed_nbytes
 from appliance.moving_average import moving_average
 
 log = logging.getLogger("omlx.cache")
 
 MEMORY, HOST, SSD = "memory", "host", "ssd"
-# Until measured, assume restores run at these speeds (bytes/s): conservative for SSDs.
-DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9}
+DEQUANTIZE = "dequantize"  # not a tier: the rate of turning 8- or 4-bit blocks back into KV
+# Until measured, assume restores run at these speeds (bytes of KV as computed per second):
+# conservative for SSDs.
+DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9, DEQUANTIZE: 5e9}
 WRITER_PENDING_BYTES = 1 << 30
 PREFETCH_READERS = 4
 
@@ -65,7 +73,9 @@ class Rate:
 
 
 class KVStore:
-    def __init__(self, *, root: Path, memory_bytes: int, host_bytes: int, ssd_bytes: int):
+    def __init__(self, *, root: Path, memory_bytes: int, host_bytes: int, ssd_bytes: int,
+                 host_kv_bits: int = 16, ssd_kv_bits: int = 16):
+        self.kv_bits = {HOST: host_kv_bits, SSD: ssd_kv_bits}
         self.memory: LruTier[KVBlock] = LruTier(MEMORY, memory_bytes)
         self.host: LruTier[Block] = LruTier(HOST, host_bytes)
         # Keys of host blocks a prefetch read from the SSD. Every put into host sets or
@@ -136,12 +146,16 @@ class KVStore:
             served = SSD
         if stored is None:
             return None
+        decoding = time.perf_counter()
         try:
             block = from_bytes(stored)
         except (KeyError, ValueError, AttributeError) as e:
             log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
             return None
-        self.rates[measured].add(block.nbytes, time.perf_counter() - started)
+        done = time.perf_counter()
+        if stored.meta.get("bits", 16) != 16:
+            self.rates[DEQUANTIZE].add(block.nbytes, done - decoding)
+        self.rates[measured].add(block.nbytes, done - started)
         self.put_memory(block)
         return Fetched(block, served)
 
@@ -158,18 +172,27 @@ class KVStore:
             if block is None:
                 break  # the chain is broken here: later blocks are useless
             self._put_host(block, prefetched=True)
-            count, nbytes = count + 1, nbytes + block.payload_nbytes
+            count, nbytes = count + 1, nbytes + computed_nbytes(block.meta)
         self.rates[SSD].add(nbytes, time.perf_counter() - started)
         return count
 
     def _read_ssd(self, key: bytes, dir: str, tokens: tuple[int, ...]) -> Block | None:
         return None if self.ssd is None else self.ssd.get(key, dir=dir, tokens=tokens)
 
+    def restore_s(self, tier: str, nbytes: int) -> float:
+        """Returns the expected seconds to restore `nbytes` of KV (as computed) from `tier`,
+        from its measured rate; an SSD block at fewer bits is dequantized on top of that
+        (a host block's measured rate includes it already)."""
+        seconds = nbytes / self.rates[tier].bytes_per_s
+        if tier == SSD and self.kv_bits[SSD] != 16:
+            seconds += nbytes / self.rates[DEQUANTIZE].bytes_per_s
+        return seconds
+
     # --- store -----------------------------------------------------------------------
 
     def save(self, blocks: list[KVBlock]) -> None:
         """Puts new blocks in memory and writes them through to the SSD behind the request."""
-        written = to_bytes(self._fitting_writer(blocks))  # one wait for all the copies
+        written = to_bytes(self._fitting_writer(blocks), bits=self.kv_bits[SSD])  # one wait for all the copies
         for block in blocks:
             self.put_memory(block)
         for block in written:  # read out by the writer thread, not here
@@ -195,7 +218,7 @@ class KVStore:
             self._demote(evicted)
 
     def _demote(self, block: KVBlock) -> None:
-        stored = to_bytes([block])[0]
+        stored = to_bytes([block], bits=self.kv_bits[HOST])[0]
         self._put_host(replace(stored, payload=memoryview(np.array(stored.payload))))  # copied to host RAM
 
     def _put_host(self, block: Block, *, prefetched: bool = False) -> None:
@@ -218,6 +241,11 @@ class KVStore:
         self.writer.submit(block)
 
     # --- management ------------------------------------------------------------------
+
+    def set_kv_bits(self, *, host_kv_bits: int, ssd_kv_bits: int) -> None:
+        """Sets the precision of blocks that go down a tier from now on (those stored stay
+        as they are and still decode: their meta says their precision)."""
+        self.kv_bits = {HOST: host_kv_bits, SSD: ssd_kv_bits}
 
     def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:
         """Applies new budgets; lower ones evict at once (memory demotes to host)."""
@@ -263,6 +291,7 @@ class KVStore:
             ssd["writer"] = self.writer.stats()
         return {
             MEMORY: {**self.memory.stats(), "restore_gbps": rate(MEMORY)},
-            HOST: {**self.host.stats(), "restore_gbps": rate(HOST)},
-            SSD: {**ssd, "restore_gbps": rate(SSD)},
+            HOST: {**self.host.stats(), "restore_gbps": rate(HOST), "kv_bits": self.kv_bits[HOST]},
+            SSD: {**ssd, "restore_gbps": rate(SSD), "kv_bits": self.kv_bits[SSD],
+                  "dequantize_gbps": rate(DEQUANTIZE)},
         }

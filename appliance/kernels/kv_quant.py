@@ -82,6 +82,12 @@ def pack(keys: mx.array, values: mx.array, bits: int) -> tuple[mx.array, dict]:
     return mx.concatenate([p.view(mx.uint8).reshape(-1) for p in parts]), meta
 
 
+def computed_nbytes(meta: dict) -> int:
+    """Returns the bytes of the keys and values `meta` describes, as computed."""
+    dtype = getattr(mx, meta["dtype"])
+    return _nbytes(meta["k_shape"], dtype) + _nbytes(meta["v_shape"], dtype)
+
+
 def payload_nbytes(meta: dict) -> int:
     """Returns the payload size `meta` describes."""
     return sum(_nbytes(shape, dtype) for shape, dtype in _parts(meta))
@@ -95,6 +101,8 @@ def unpack(raw: mx.array, meta: dict) -> tuple[mx.array, mx.array]:
     expected = sum(_nbytes(shape, dtype) for shape, dtype in parts)
     if raw.size != expected:
         raise ValueError(f"payload holds {raw.size} bytes, its meta says {expected}")
+    if "k_nbytes" in meta and meta["k_nbytes"] != _nbytes(*parts[0]):
+        raise ValueError(f"the meta's k_nbytes {meta['k_nbytes']} does not fit its k_shape")
     arrays, start = [], 0
     for shape, dtype in parts:
         n = _nbytes(shape, dtype)

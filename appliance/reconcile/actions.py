@@ -67,7 +67,8 @@ class Action:
 
 
 def resize(store: KVStore, cache: CacheSpec) -> None:
-    """Sets `store`'s tier budgets to those of `cache`."""
+    """Sets `store`'s tier budgets and precisions to those of `cache`."""
+    store.set_kv_bits(host_kv_bits=cache.host_kv_bits, ssd_kv_bits=cache.ssd_kv_bits)
     store.resize(memory_bytes=cache.memory_bytes, host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes)
 
 
@@ -90,13 +91,16 @@ class ResizeCache(Action):
 
 @dataclass(frozen=True)
 class ReopenCache(Action):
-    """The cache moved (`dir`) or changed its block size: a new store, new key spaces."""
+    """The cache moved (`dir`), changed its block size or a tier's KV precision: new key
+    spaces (and a new store when it moved)."""
 
     cache: CacheSpec
     toml_path = "cache"
 
     def describe(self) -> str:
-        return f"reopen the cache at {self.cache.dir} with {self.cache.block_tokens}-token blocks"
+        c = self.cache
+        return (f"reopen the cache at {c.dir} with {c.block_tokens}-token blocks, KV at "
+                f"{c.host_kv_bits} bits in host and {c.ssd_kv_bits} on the SSD")
 
     async def prepare(self, run: Run) -> Step:
         app = run.appliance

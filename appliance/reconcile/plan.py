@@ -17,7 +17,12 @@ from appliance.reconcile.actions import (
     SetBatching,
     UnloadModel,
 )
-from appliance.spec import ModelSpec, Spec
+from appliance.spec import CacheSpec, ModelSpec, Spec
+
+
+def reopens(cache: CacheSpec) -> tuple:
+    """Returns what, changed, needs new key spaces (ReopenCache), not only new budgets."""
+    return cache.dir, cache.block_tokens, cache.host_kv_bits, cache.ssd_kv_bits
 
 
 def plan(applied: Spec, desired: Spec) -> tuple[Action, ...]:
@@ -29,7 +34,7 @@ def plan(applied: Spec, desired: Spec) -> tuple[Action, ...]:
     """
     actions: list[Action] = []
     old_cache, new_cache = applied.cache, desired.cache
-    if (old_cache.dir, old_cache.block_tokens) != (new_cache.dir, new_cache.block_tokens):
+    if reopens(old_cache) != reopens(new_cache):
         actions.append(ReopenCache(new_cache))
     elif old_cache != new_cache:
         actions.append(ResizeCache(new_cache))

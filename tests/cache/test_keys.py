@@ -116,3 +116,11 @@ def test_partial_block_key_differs_from_every_full_block_key():
     assert partials.isdisjoint(full)
     # A block's bytes are its token ids, so a short block is not a prefix-padded full one.
     assert s.block_key(s.root, [0, 1, 2]) != s.block_key(s.root, [0, 1, 2, 0])
+
+
+def test_the_tiers_precision_is_part_of_the_root():
+    spaces = {bits: key_space(weights="ab" * 32, compute_dtype="float32", layout=LAYOUT, block_tokens=4,
+                              kv_bits=bits) for bits in [(16, 16), (8, 8), (8, 4)]}
+    assert len({s.root for s in spaces.values()}) == 3
+    assert spaces[(16, 16)].root == key_space(weights="ab" * 32, compute_dtype="float32", layout=LAYOUT,
+                                              block_tokens=4).root

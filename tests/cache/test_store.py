@@ -317,7 +317,7 @@ def test_second_store_on_the_same_root_keeps_memory_and_host(tmp_path, caplog):
             assert first.stats()[SSD]["blocks"] == 0  # nothing written under the first one's feet
         finally:
             second.close()
-        first.save(make_blocks(1, seed=9, first_token=500), dir=DIR)
+        first.save(make_blocks(1, seed=9, first_token=500))
         assert first.flush(timeout_s=10) and first.stats()[SSD]["blocks"] == 1
     finally:
         first.close()
@@ -338,7 +338,8 @@ def test_stats_shape(store):
     s = store.stats()
     assert set(s) == {MEMORY, HOST, SSD}
     for tier in (MEMORY, HOST):
-        assert set(s[tier]) == {"bytes", "budget_bytes", "blocks", "hits", "evictions", "restore_gbps"}
+        assert set(s[tier]) - {"kv_bits"} == {"bytes", "budget_bytes", "blocks", "hits", "evictions", "restore_gbps"}
+    assert s[HOST]["kv_bits"] == s[SSD]["kv_bits"] == 16
     assert s[MEMORY]["budget_bytes"] == 2 * BLOCK_BYTES and s[HOST]["budget_bytes"] == 2 * BLOCK_BYTES
     assert s[SSD]["budget_bytes"] == 64 * MIB and not s[SSD]["disabled"]
     assert {"blocks", "bytes", "hits", "misses", "writer", "restore_gbps"} <= set(s[SSD])
@@ -376,3 +377,78 @@ def test_rate_ignores_tiny_reads_and_averages():
     rate.add(20 * MIB, 1.0)
     assert rate.value == pytest.approx(0.7 * 10 * MIB + 0.3 * 20 * MIB)
     assert rate.bytes_per_s == rate.value
+
+
+# --- precision ---------------------------------------------------------------------
+
+QDIM = 64  # quantized in groups of 64 along the head dimension
+QLAYOUT = KVLayout(num_layers=LAYERS, kv_heads=HEADS, k_head_dim=QDIM, v_head_dim=QDIM, dtype="float32",
+                   itemsize=4)
+QSPACE = key_space(weights="ab" * 32, compute_dtype="float32", layout=QLAYOUT, block_tokens=B, kv_bits=(8, 4))
+QBLOCK_BYTES = QLAYOUT.bytes_per_token * B
+
+
+def make_wide_blocks(n: int) -> list[KVBlock]:
+    rng = np.random.default_rng(0)
+    tokens = list(range(n * B))
+    blocks, parent = [], QSPACE.root
+    for i, key in enumerate(QSPACE.chain(tokens)):
+        kv = [mx.array(rng.standard_normal((LAYERS, HEADS, B, QDIM), dtype=np.float32)) for _ in range(2)]
+        blocks.append(KVBlock(key, parent, QSPACE.dir, tuple(tokens[i * B:(i + 1) * B]), *kv))
+        parent = key
+    mx.eval([(b.keys, b.values) for b in blocks])
+    return blocks
+
+
+def close_kv(a: KVBlock, b: KVBlock, tolerance: float) -> bool:
+    return (a.key == b.key and a.keys.dtype == b.keys.dtype and a.keys.shape == b.keys.shape
+            and mx.abs(a.keys - b.keys).max().item() < tolerance
+            and mx.abs(a.values - b.values).max().item() < tolerance)
+
+
+def test_blocks_are_quantized_once_on_their_way_down_and_restored_close(tmp_path):
+    store = KVStore(root=tmp_path / "kv", memory_bytes=2 * QBLOCK_BYTES, host_bytes=8 * QBLOCK_BYTES,
+                    ssd_bytes=64 * MIB, host_kv_bits=8, ssd_kv_bits=4)
+    try:
+        blocks = make_wide_blocks(3)
+        store.save(blocks)
+        assert store.flush(timeout_s=10)
+        demoted = store.host.get(blocks[0].key)  # memory holds 2: the first went down to host
+        assert demoted.meta["bits"] == 8 and demoted.payload_nbytes < blocks[0].nbytes / 3
+        written = store.ssd.get(blocks[0].key, dir=QSPACE.dir, tokens=blocks[0].tokens)
+        assert written.meta["bits"] == 4 and written.payload_nbytes < blocks[0].nbytes / 6
+        got = fetch(store, blocks[0], QSPACE.dir)
+        assert got.tier == HOST and close_kv(got.block, blocks[0], 0.05)
+        only_on_ssd(store)
+        got = fetch(store, blocks[1], QSPACE.dir)
+        assert got.tier == SSD and close_kv(got.block, blocks[1], 0.6)
+        stats = store.stats()
+        assert (stats[HOST]["kv_bits"], stats[SSD]["kv_bits"]) == (8, 4)
+    finally:
+        store.close()
+
+
+def test_a_block_spilled_from_host_keeps_the_hosts_precision(tmp_path):
+    store = KVStore(root=tmp_path / "kv", memory_bytes=QBLOCK_BYTES, host_bytes=int(QBLOCK_BYTES * 0.3),
+                    ssd_bytes=64 * MIB, host_kv_bits=8, ssd_kv_bits=4)  # host holds one 8-bit block
+    try:
+        blocks = make_wide_blocks(3)
+        for b in blocks:  # as fetch does: into memory without writing through
+            store.put_memory(b)
+        assert store.flush(timeout_s=10)
+        spilled = store.ssd.get(blocks[0].key, dir=QSPACE.dir, tokens=blocks[0].tokens)
+        assert spilled is not None and spilled.meta["bits"] == 8
+    finally:
+        store.close()
+
+
+def test_the_restore_estimate_counts_dequantizing_ssd_blocks(tmp_path):
+    store = KVStore(root=tmp_path / "kv", memory_bytes=MIB, host_bytes=MIB, ssd_bytes=MIB, ssd_kv_bits=8,
+                    host_kv_bits=8)
+    try:
+        store.rates[SSD].value, store.rates["dequantize"].value = 1e9, 4e9
+        assert store.restore_s(SSD, 10**9) == pytest.approx(1.25)
+        store.set_kv_bits(host_kv_bits=16, ssd_kv_bits=16)
+        assert store.restore_s(SSD, 10**9) == pytest.approx(1.0)
+    finally:
+        store.close()

@@ -122,3 +122,8 @@ def test_unloads_come_before_loads():
     assert {(a.spec.name, a.replaces) for a in actions if isinstance(a, LoadModel)} == {
         ("a", True), ("d", False)}
 
+
+
+def test_a_tiers_precision_change_reopens_the_cache():
+    desired = spec(cache={"ssd_kv_bits": 8})
+    assert kinds(plan(spec(), desired)) == [ReopenCache]

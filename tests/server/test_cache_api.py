@@ -44,9 +44,10 @@ def cached_server(tmp_path_factory: pytest.TempPathFactory):
     srv.stop()
 
 
-def test_a_restarted_server_restores_from_its_ssd(tmp_path):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_restarted_server_restores_from_its_ssd(tmp_path, bits):
     port = free_port()
-    config = write_config(tmp_path / "omlx.toml", port=port)
+    config = write_config(tmp_path / "omlx.toml", port=port, cache_extra=f"host_kv_bits = {bits}\nssd_kv_bits = {bits}")
     first = start_server(config, port, tmp_path / "first.log")
     try:
         cold = chat(first, "Summarize the rules.")
@@ -63,6 +64,7 @@ def test_a_restarted_server_restores_from_its_ssd(tmp_path):
     assert warm["text"] == cold["text"]
     assert stats["tiers"]["ssd"]["hits"] > 0
     assert stats["tiers"]["ssd"]["restore_gbps"] is not None
+    assert stats["tiers"]["ssd"]["kv_bits"] == stats["tiers"]["host"]["kv_bits"] == bits
 
 
 def test_cache_stats_per_tier(cached_server: Server):
