@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from appliance import cli_cache, cli_connect, cli_status, service
-from appliance.config import ConfigError, dump_toml, load_spec
+from appliance.cli_config import load_or_report
+from appliance.config import dump_toml
 
 DEFAULT_CONFIG = "omlx.toml"
 
@@ -35,10 +35,10 @@ def parser() -> argparse.ArgumentParser:
     diff.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
     diff.set_defaults(run=run_diff)
 
-    cli_cache.add_parser(sub, print_errors)
-    cli_connect.add_parser(sub, print_errors)
-    cli_status.add_parser(sub, print_errors)
-    service.add_parser(sub, print_errors)
+    cli_cache.add_parser(sub)
+    cli_connect.add_parser(sub)
+    cli_status.add_parser(sub)
+    service.add_parser(sub)
 
     menubar = sub.add_parser("menubar", help="a macOS menu-bar client of the config's server (the menubar extra)")
     menubar.add_argument("--config", default=DEFAULT_CONFIG, help="path to omlx.toml")
@@ -47,10 +47,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    try:
-        loaded = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+    loaded = load_or_report(args.config)
+    if loaded is None:
         return 1
     sys.stdout.write(dump_toml(loaded.spec))
     return 0
@@ -60,10 +58,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from appliance import platform
 
     platform.ensure_process_env()  # may re-exec this process (OpenBLAS, malloc tunables)
-    try:
-        loaded = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+    loaded = load_or_report(args.config)
+    if loaded is None:
         return 1
     from appliance.server.runner import serve
 
@@ -77,10 +73,8 @@ def run_diff(args: argparse.Namespace) -> int:
     from appliance.reconcile.plan import plan
     from appliance.spec import Spec
 
-    try:
-        desired = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+    desired = load_or_report(args.config)
+    if desired is None:
         return 1
     server = desired.spec.server
     try:
@@ -106,10 +100,8 @@ def run_menubar(args: argparse.Namespace) -> int:
     if sys.platform != "darwin":
         print("omlx menubar: the menu bar is macOS only; use `omlx status` or the dashboard at /", file=sys.stderr)
         return 1
-    try:
-        loaded = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+    loaded = load_or_report(args.config)
+    if loaded is None:
         return 1
     try:
         from appliance.menubar import app
@@ -117,12 +109,6 @@ def run_menubar(args: argparse.Namespace) -> int:
         print("omlx menubar: rumps is missing; install the extra: pip install 'omlx[menubar]'", file=sys.stderr)
         return 1
     return app.run(loaded)
-
-
-def print_errors(error: ConfigError, config: str | Path) -> None:
-    print(f"omlx: {config}: {len(error.issues)} error(s)", file=sys.stderr)
-    for issue in error.issues:
-        print(f"  {issue}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ from pathlib import Path
 import httpx
 
 from appliance.cache.keys import model_dir, tenant_dir
-from appliance.config import ConfigError, LoadedConfig, load_spec
+from appliance.cli_config import load_or_report
+from appliance.config import LoadedConfig
 
 ADMIN_TIMEOUT_S = 600.0
 
 
-def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     cache = sub.add_parser("cache", help="inspect and manage the KV cache")
     cache.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
     verbs = cache.add_subparsers(dest="verb", required=True)
@@ -35,14 +36,12 @@ def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
     imp.add_argument("path", type=Path)
     for verb in (stats, clear, export, imp):  # `--config` also after the verb
         verb.add_argument("--config", default=argparse.SUPPRESS, help="path to omlx.toml")
-    cache.set_defaults(run=lambda args: run(args, print_errors))
+    cache.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, print_errors) -> int:
-    try:
-        config = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
         return 1
     try:
         result = via_server(config, args)

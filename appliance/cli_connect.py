@@ -11,24 +11,23 @@ import argparse
 import shlex
 import sys
 
-from appliance.config import ConfigError, load_spec
+from appliance.cli_config import load_or_report
 from appliance.spec import Spec
 
 
-def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     connect = sub.add_parser("connect", help="print the settings that point Claude Code or Codex at omlx")
     connect.add_argument("agent", choices=["claude", "codex"])
     connect.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
     connect.add_argument("--model", help="the model the agent uses (default: the config's default model)")
-    connect.set_defaults(run=lambda args: run(args, print_errors))
+    connect.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, print_errors) -> int:
-    try:
-        spec = load_spec(args.config).spec
-    except ConfigError as e:
-        print_errors(e, args.config)
+def run(args: argparse.Namespace) -> int:
+    loaded = load_or_report(args.config)
+    if loaded is None:
         return 1
+    spec = loaded.spec
     model = spec.model(args.model) if args.model else spec.default_model
     if model is None:
         names = ", ".join(m.name for m in spec.models)

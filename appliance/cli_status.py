@@ -7,16 +7,16 @@ import sys
 
 import httpx
 
-from appliance.config import ConfigError, load_spec
+from appliance.cli_config import load_or_report
 
 TIMEOUT_S = 10.0
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
-def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="print the running server's models and cache as tables")
     status.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
-    status.set_defaults(run=lambda args: run(args, print_errors))
+    status.set_defaults(run=run)
 
 
 def base_url(server) -> str:
@@ -25,11 +25,9 @@ def base_url(server) -> str:
     return f"http://[{host}]:{server.port}" if ":" in host else f"http://{host}:{server.port}"
 
 
-def run(args: argparse.Namespace, print_errors) -> int:
-    try:
-        config = load_spec(args.config)
-    except ConfigError as e:
-        print_errors(e, args.config)
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
         return 1
     server = config.spec.server
     url = base_url(server)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.cli_config import print_errors
 from appliance.config import ConfigError, load_spec
 
 NAME = "omlx"
@@ -135,7 +136,7 @@ def service_name(value: str) -> str:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     service = sub.add_parser("service", help="run omlx serve as a user service (systemd or launchd)")
     verbs = service.add_subparsers(dest="verb", required=True)
     install = verbs.add_parser("install", help="write the service file and start it")
@@ -145,10 +146,10 @@ def add_parser(sub: argparse._SubParsersAction, print_errors) -> None:
     for verb in (install, uninstall, status):
         verb.add_argument("--config", default="omlx.toml", help="path to omlx.toml")
         verb.add_argument("--name", default=NAME, type=service_name, help="the service's name (default: omlx)")
-    service.set_defaults(run=lambda args: run(args, print_errors))
+    service.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, print_errors) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         unit = service_file(Path(args.config), name=args.name)
     except ConfigError as e:
