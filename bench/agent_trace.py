@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,10 +56,10 @@ from common import (  # noqa: E402
     get_json,
     log,
     longest_fit,
-    machine,
     mlx_lm_server,
     omlx_server,
     ratio,
+    run_header,
     site_packages,
     stream_chat,
     wait_ssd_written,
@@ -465,10 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {(s, n): summarize(results, s, n) for s, n in ((OMLX, 1), (MLX_LM, 1), (OMLX, 2))}
     targets = targets_of(summaries)
     record = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/agent_trace.py", *(argv if argv is not None else sys.argv[1:])]),
-        "duration_s": round(time.time() - started, 1),
-        "machine": machine(),
+        **run_header(__file__, argv, started=started),
         "model_dir": str(model_dir),
         "plan": plan,
         "max_tokens": MAX_TOKENS,

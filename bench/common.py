@@ -1,7 +1,8 @@
 """Shared benchmark helpers: servers as subprocesses, streamed requests timed, percentiles.
 
 Everything talks to 127.0.0.1 only. A `ServerProcess` runs in its own process group so
-stopping it also stops whatever it spawned; use it as a context manager.
+stopping it also stops whatever it spawned; use it as a context manager. It is the one
+server harness: the tests' `start_server` (tests/conftest.py) starts theirs with it too.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import orjson
 
+from appliance.platform import openblas_env, openblas_path
+
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "bench" / "out"
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 HOST = "127.0.0.1"
 
 
@@ -39,10 +42,8 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMLX_")}
+    env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_")})
     env["PYTHONUNBUFFERED"] = "1"
-    if os.path.exists(OPENBLAS):
-        env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD", "")) if p)
     return env
 
 
@@ -56,6 +57,8 @@ class ServerProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=server_env)
     cwd: Path = REPO  # `python -m appliance` imports the package from here
+    config: Path | None = None  # the omlx.toml it serves, when it is omlx
+    stop_grace_s: float = 15.0  # from SIGTERM (or another signal) to SIGKILL
     process: subprocess.Popen | None = None
     ready_s: float | None = None  # from the process's start to GET /health answering 200
 
@@ -68,18 +71,22 @@ class ServerProcess:
         """Returns the server's process group id (its pid: it leads a new session)."""
         return self.process.pid if self.process is not None else None
 
-    def start(self, *, ready_timeout_s: float = 300.0) -> ServerProcess:
-        """Starts the server and returns once GET /health answers 200; raises RuntimeError."""
+    def start(self, *, ready_timeout_s: float = 300.0, wait_ready: bool = True) -> ServerProcess:
+        """Starts the server and returns once GET /health answers 200 (at once when not
+        `wait_ready`); raises RuntimeError when it exits or is not healthy in time."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             cwd=self.cwd, start_new_session=True)
-        self._wait_healthy(ready_timeout_s)
-        self.ready_s = time.perf_counter() - started
+        if wait_ready:
+            self.wait_healthy(ready_timeout_s)
+            self.ready_s = time.perf_counter() - started
         return self
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Returns once GET /health answers 200; stops the server and raises RuntimeError
+        when it exits first or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -93,12 +100,14 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, *, grace_s: float = 15.0) -> int | None:
-        """Stops the whole process group (SIGTERM, then SIGKILL); returns the exit status."""
+    def stop(self, sig: int = signal.SIGTERM, *, grace_s: float | None = None) -> int | None:
+        """Stops the whole process group (`sig`, then SIGKILL after `grace_s`, default
+        `stop_grace_s`); returns the exit status."""
         if self.process is None:
             return None
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
+            self._signal_group(sig)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -113,12 +122,15 @@ class ServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def log_tail(self, num_lines: int = 40) -> str:
+    def output(self) -> str:
+        """Returns everything the server has logged so far."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(lines[-num_lines:])
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        return "\n".join(self.output().splitlines()[-num_lines:])
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -154,8 +166,13 @@ dir = "{work_dir / 'cache'}"
 max_running = {max_running}
 max_queued = {max_queued}
 {chunk}""")
+    return omlx_process(config, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
+
+
+def omlx_process(config: Path, port: int, log_path: Path, *, cwd: Path = REPO, **options) -> ServerProcess:
+    """Returns (not started) `omlx serve --config config`, listening on `port`."""
     argv = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
-    return ServerProcess("omlx", argv, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
+    return ServerProcess("omlx", argv, port, log_path, cwd=cwd, config=config, **options)
 
 
 def mlx_lm_server(model_dir: Path, *, extra_args: list[str], log_name: str = "mlx_lm") -> ServerProcess:
@@ -385,9 +402,21 @@ def machine() -> dict:
         "machine": platform.machine(),
         "system": platform.system(),
         "python": platform.python_version(),
-        "openblas_preloaded": os.path.exists(OPENBLAS),
+        "openblas_preloaded": openblas_path() is not None,
         "versions": _versions("mlx", "mlx-lm", "omlx"),
     }
+
+
+def run_header(script: str, argv: list[str] | None = None, *, started: float | None = None) -> dict:
+    """Returns the fields every benchmark record starts with: when it ran, the command that
+    reruns it (`script` is the benchmark's `__file__`), how long it took (when `started`,
+    a `time.time()`, is given) and the machine."""
+    header = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "command": " ".join([".venv/bin/python", f"bench/{Path(script).name}",
+                                   *(sys.argv[1:] if argv is None else argv)])}
+    if started is not None:
+        header["duration_s"] = round(time.time() - started, 1)
+    return {**header, "machine": machine()}
 
 
 def _versions(*names: str) -> dict[str, str]:

@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OUT_DIR, converted_model_dir, fmt, get_json, machine, omlx_server, write_json  # noqa: E402
+from common import OUT_DIR, converted_model_dir, fmt, get_json, omlx_server, run_header, write_json  # noqa: E402
+
+from appliance.platform import openblas_env  # noqa: E402
 
 POLL_S = 0.005
 
@@ -39,7 +41,7 @@ print(time.perf_counter() - started)
 
 def bare_load_s(model_dir: Path, cache_dir: Path) -> float:
     """Returns the time `load_model` takes in a fresh process (weights already on disk)."""
-    env = dict(os.environ, LD_PRELOAD=os.environ.get("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"))
+    env = openblas_env(os.environ)
     out = subprocess.run([sys.executable, "-c", BARE_LOAD, str(model_dir), str(cache_dir)],
                          capture_output=True, text=True, check=True, env=env, timeout=600)
     return float(out.stdout.strip().splitlines()[-1])
@@ -89,8 +91,7 @@ def main() -> None:
                 swaps.append(t1 - t0)
         bare = [bare_load_s(model_dir, work / "cache") for _ in range(repeats)]
     result = {
-        "command": " ".join([".venv/bin/python", "bench/reconcile.py", *(["--quick"] if args.quick else [])]),
-        "machine": machine(),
+        **run_header(__file__, ["--quick"] if args.quick else []),
         "budget_change_s": budgets,
         "model_swap_s": swaps,
         "bare_load_s": bare,

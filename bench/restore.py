@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,10 +55,10 @@ from common import (  # noqa: E402
     kv_files,
     log,
     longest_fit,
-    machine,
     omlx_server,
     ratio,
     resident_bytes,
+    run_header,
     site_packages,
     stream_chat,
     tier_deltas,
@@ -306,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"   failed: {type(e).__name__}: {e}")
                 results.append(SizeResult(label=label, target_tokens=n, error=f"{type(e).__name__}: {e}"[:2000]))
     record = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/restore.py", *(argv if argv is not None else sys.argv[1:])]),
-        "duration_s": round(time.time() - started, 1),
-        "machine": machine(),
+        **run_header(__file__, argv, started=started),
         "model_dir": str(model_dir),
         "max_tokens": MAX_TOKENS,
         "code": str(args.code.resolve()),

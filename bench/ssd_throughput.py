@@ -40,25 +40,25 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    OPENBLAS,
     OUT_DIR,
     ForeignLoad,
     converted_model_dir,
     drop_page_cache,
     fmt,
     log,
-    machine,
     ratio,
     resident_bytes,
+    run_header,
     site_packages,
     write_json,
 )
+
+from appliance.platform import ensure_process_env  # noqa: E402
 
 BLOCK_TOKENS = 256
 DD_BS = 16 * 2**20
@@ -322,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
-    if os.path.exists(OPENBLAS) and OPENBLAS not in os.environ.get("LD_PRELOAD", ""):
-        # MLX must find OpenBLAS at load time (the model runs 256 tokens once); re-exec like omlx does.
-        env = {**os.environ, "LD_PRELOAD": ":".join(p for p in (OPENBLAS, os.environ.get("LD_PRELOAD")) if p)}
-        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    # MLX must find OpenBLAS at load time (the model runs 256 tokens once); glibc's malloc
+    # is left as it is, as this benchmark always measured.
+    ensure_process_env(malloc=False)
     plan = QUICK if args.quick else FULL
     if args.repeats:
         plan = Plan(nbytes=plan.nbytes, repeats=args.repeats)
@@ -355,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_cache_drop": methods,
     }
     record = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/ssd_throughput.py", *argv]),
-        "duration_s": round(time.time() - started, 1),
-        "machine": machine(),
+        **run_header(__file__, argv, started=started),
         "device": device,
         "plan": plan,
         "summary": summary,

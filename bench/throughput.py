@@ -30,7 +30,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -46,11 +45,11 @@ from common import (  # noqa: E402
     converted_model_dir,
     fmt,
     log,
-    machine,
     mlx_lm_server,
     omlx_server,
     percentile,
     ratio,
+    run_header,
     stream_chat,
     wait_for_quiet,
     write_json,
@@ -497,10 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
     record: dict = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        **run_header(__file__, argv),
         "complete": False,
-        "machine": machine(),
         "model_dir": str(model_dir),
         "plan": plan,
         "mlx_lm_args": mlx_lm_args,
