@@ -1,20 +1,21 @@
 """Shared fixtures: the real tiny model, converted once into the checkout's ignored .cache/,
-and a real `omlx serve` subprocess on a free port."""
+and a real `omlx serve` subprocess on a free port (bench/common.py's harness, the one the
+benchmarks use)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
+
+from bench.common import ServerProcess as Server
+from bench.common import free_port, omlx_process
+
+__all__ = ["Server", "free_port"]  # the tests import both from here
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_GGUF = REPO / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,12 +33,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def own_cache_dir(root: Path) -> Path:
     """Returns a fresh cache dir under `root` that shares the converted model of every test.
 
@@ -53,7 +48,8 @@ def own_cache_dir(root: Path) -> Path:
 
 
 def write_config(path: Path, *, port: int, cache_dir: Path | None = None, extra: str = "",
-                 model_extra: str = "", cache_extra: str = "", server_extra: str = "") -> Path:
+                 model_extra: str = "", cache_extra: str = "", server_extra: str = "",
+                 context_tokens: int = 2048, max_running: int = 4, max_queued: int = 8) -> Path:
     """Writes an omlx.toml serving the real model; returns its path."""
     cache_dir = cache_dir or own_cache_dir(path.parent)
     path.write_text(f"""
@@ -66,7 +62,7 @@ drain_timeout_s = 5
 [[models]]
 name = "{MODEL_NAME}"
 source = "{MODEL_GGUF}"
-max_context_tokens = 2048
+max_context_tokens = {context_tokens}
 {model_extra}
 
 [cache]
@@ -74,76 +70,45 @@ dir = "{cache_dir}"
 {cache_extra}
 
 [batching]
-max_running = 4
-max_queued = 8
+max_running = {max_running}
+max_queued = {max_queued}
 prefill_chunk_tokens = 256
 {extra}
 """)
     return path
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    port: int
-    config: Path
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 def start_server(config: Path, port: int, log: Path, *, wait_ready: bool = True) -> Server:
-    """Starts `omlx serve` as a real subprocess and waits until /health says ok."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMLX_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    out = open(log, "wb")
-    process = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(config)],
-                               stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    server = Server(process, port, config, log)
-    if wait_ready:
-        wait_healthy(server)
-    return server
+    """Returns `omlx serve` on `config` as a real subprocess, once /health says ok (at once
+    when not `wait_ready`)."""
+    server = omlx_process(config, port, log, stop_grace_s=60)
+    return server.start(ready_timeout_s=SERVER_START_S, wait_ready=wait_ready)
 
 
 def wait_healthy(server: Server, timeout_s: float = SERVER_START_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"omlx serve exited with {server.process.returncode}:\n{server.output()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"omlx serve not healthy after {timeout_s} s:\n{server.output()}")
+    """Returns once `server` answers /health with 200; raises RuntimeError otherwise."""
+    server.wait_healthy(timeout_s)
+
+
+@contextlib.contextmanager
+def served(factory: pytest.TempPathFactory, name: str, **config: Any) -> Iterator[Server]:
+    """Yields a real server on a fresh config (`write_config`'s options) in a temp dir named
+    `name`, and stops it after: the body of a module-scoped server fixture."""
+    root = factory.mktemp(name)
+    port = free_port()
+    server = start_server(write_config(root / "omlx.toml", port=port, **config), port, root / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One real server with the real model for the whole session (read-only tests)."""
     assert MODEL_GGUF.exists(), "run `make test` (it fetches the model) or `make model`"
-    root = tmp_path_factory.mktemp("server")
-    port = free_port()
-    srv = start_server(write_config(root / "omlx.toml", port=port), port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "server") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

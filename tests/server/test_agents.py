@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, Server, free_port, start_server, write_config
+from tests.conftest import REPO, Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,9 @@ def agents() -> Agents:
 
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("agents")
-    port = free_port()
-    config = write_config(root / "omlx.toml", port=port, model_extra="allow_beyond_trained_context = true")
-    config.write_text(config.read_text().replace("max_context_tokens = 2048",
-                                                 f"max_context_tokens = {CONTEXT_TOKENS}"))
-    srv = start_server(config, port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "agents", context_tokens=CONTEXT_TOKENS,
+                model_extra="allow_beyond_trained_context = true") as srv:
+        yield srv
 
 
 def connect(server: Server, agent: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 from appliance.chat.turn import Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 from appliance.engine.request import RequestStats
 from appliance.server.anthropic import CountParams, MessageWriter
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, Server, served
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}  # the SDK no longer names temperature; the API still takes it
@@ -27,14 +27,9 @@ CONTEXT_TOKENS = 12288  # past the model's trained 8,192, by explicit choice
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with an agent-sized context: past the trained length, by explicit choice."""
-    root = tmp_path_factory.mktemp("anthropic")
-    port = free_port()
-    config = write_config(root / "omlx.toml", port=port, model_extra="allow_beyond_trained_context = true")
-    config.write_text(config.read_text().replace("max_context_tokens = 2048",
-                                                 f"max_context_tokens = {CONTEXT_TOKENS}"))
-    srv = start_server(config, port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "anthropic", context_tokens=CONTEXT_TOKENS,
+                model_extra="allow_beyond_trained_context = true") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

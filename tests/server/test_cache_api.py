@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME, REPO, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, REPO, Server, free_port, served, start_server, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,8 @@ def omlx_cache(config, *args: str) -> tuple[int, dict | str]:
 
 @pytest.fixture(scope="module")
 def cached_server(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("cached")
-    port = free_port()
-    srv = start_server(write_config(root / "omlx.toml", port=port), port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "cached") as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("bits", [16, 8])

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, Server, free_port, served, start_server, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +23,8 @@ LONG = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count fro
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory):
     """A server admitting 1 running + 1 queued request, to make the limits easy to hit."""
-    root = tmp_path_factory.mktemp("small")
-    port = free_port()
-    config = write_config(root / "omlx.toml", port=port).read_text()
-    config = config.replace("max_running = 4", "max_running = 1").replace("max_queued = 8", "max_queued = 1")
-    (root / "omlx.toml").write_text(config)
-    srv = start_server(root / "omlx.toml", port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "small", max_running=1, max_queued=1) as srv:
+        yield srv
 
 
 def live_requests(server: Server) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_GGUF, MODEL_NAME, REPO, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_GGUF, MODEL_NAME, REPO, Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +26,9 @@ WAIT_MS = 120_000
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("dashboard")
-    port = free_port()
     second = f'[[models]]\nname = "{SECOND}"\nsource = "{MODEL_GGUF}"\nmax_context_tokens = 2048\n'
-    config = write_config(root / "omlx.toml", port=port, model_extra="default = true", extra=second)
-    srv = start_server(config, port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "dashboard", model_extra="default = true", extra=second) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

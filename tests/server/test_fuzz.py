@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from appliance.server.openapi import schema as openapi_schema
-from tests.conftest import Server, free_port, start_server, write_config
+from tests.conftest import Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,9 @@ max_body_bytes = 65536
 
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("fuzzed")
-    port = free_port()
-    srv = start_server(write_config(root / "omlx.toml", port=port, extra=LIMITS), port, root / "server.log")
-    yield srv
-    assert srv.stop() == 0
+    with served(tmp_path_factory, "fuzzed", extra=LIMITS) as srv:
+        yield srv
+    assert srv.stop() == 0  # stopped already: its exit status
     assert "Traceback" not in srv.output()
 
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, REPO, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, REPO, Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,10 @@ max_queued_per_key = 1
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("guarded")
-    port = free_port()
     os.environ[KEY_B_ENV] = KEY_B
     try:
-        config = write_config(root / "omlx.toml", port=port, server_extra=SERVER_KEYS, extra=LIMITS)
-        srv = start_server(config, port, root / "server.log")
-        yield srv
-        srv.stop()
+        with served(tmp_path_factory, "guarded", server_extra=SERVER_KEYS, extra=LIMITS) as srv:
+            yield srv
     finally:
         os.environ.pop(KEY_B_ENV, None)
 

@@ -16,7 +16,7 @@ import pytest
 from appliance.chat.turn import Message, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
 from appliance.engine.request import RequestStats
 from appliance.server.responses import Functions, ResponsesParams, ResponseWriter, turn_of
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, Server, served
 
 CONTEXT_TOKENS = 8192
 QUESTION = "What is the capital of France?"
@@ -25,14 +25,9 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def codex_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with the model's whole trained context, for Codex-sized prompts."""
-    root = tmp_path_factory.mktemp("responses")
-    port = free_port()
-    config = write_config(root / "omlx.toml", port=port, model_extra="default_max_tokens = 4")
-    config.write_text(config.read_text().replace("max_context_tokens = 2048",
-                                                 f"max_context_tokens = {CONTEXT_TOKENS}"))
-    srv = start_server(config, port, root / "server.log")
-    yield srv
-    srv.stop()
+    with served(tmp_path_factory, "responses", context_tokens=CONTEXT_TOKENS,
+                model_extra="default_max_tokens = 4") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
