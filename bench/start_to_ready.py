@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import HOST, ServerProcess, client, free_port, get_json, stream_chat  # noqa: E402
+from bench.common import HOST, client, free_port, get_json, omlx_process, stream_chat  # noqa: E402
 
 
 def long_text(model_dir: Path, num_tokens: int, seed: int) -> str:
@@ -95,8 +95,7 @@ default = true
 dir = "{work / 'cache'}"
 """)
     log_path = (args.out.parent if args.out else work) / "omlx_server.log"
-    server = ServerProcess("omlx", [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
-                           port, log_path)
+    server = omlx_process(config, port, log_path)
     started, spawned_at = time.perf_counter(), time.time()
     results: dict = {"tokens": args.tokens, "profile": args.profile}
     with server.start(ready_timeout_s=600):
