@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run (N in 1, 4; fewer requests)")
     parser.add_argument("--only", choices=("a", "b"), help="run one scenario only")
+    parser.add_argument("--n", type=int, action="append", metavar="N",
+                        help="scenario A at this concurrency only (repeat for several)")
     parser.add_argument("--omlx-only", action="store_true",
                         help="skip mlx_lm.server (for iterating; published figures come from runs with both)")
     parser.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
@@ -487,8 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/out/throughput*.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.n:
+        plan = replace(plan, concurrency=tuple(args.n))
     mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
-    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "", "-variant" * bool(args.mlx_lm_arg),
+    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "",
+                      "".join(f"-n{n}" for n in args.n or ()), "-variant" * bool(args.mlx_lm_arg),
                       "-omlx" * args.omlx_only])
     out = args.out or OUT_DIR / f"throughput{suffix}.json"
     model_dir = converted_model_dir()
