@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,18 @@ def start_server(config: Path, port: int, log: Path, *, wait_ready: bool = True)
     when not `wait_ready`)."""
     server = omlx_process(config, port, log, stop_grace_s=60)
     return server.start(ready_timeout_s=SERVER_START_S, wait_ready=wait_ready)
+
+
+def wait_for(predicate, timeout_s: float = 60, interval_s: float = 0.1):
+    """Returns `predicate()`'s first truthy value, polled every `interval_s`; fails the test
+    after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError("condition not reached in time")
 
 
 def wait_healthy(server: Server, timeout_s: float = SERVER_START_S) -> None:

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_GGUF, MODEL_NAME, REPO, Server, free_port, start_server, write_config
+from tests.conftest import wait_for as wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +33,8 @@ def save(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for(predicate, timeout_s: float = APPLY_WAIT_S, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError("condition not reached in time")
+def wait_for(predicate, timeout_s: float = APPLY_WAIT_S):
+    return wait_until(predicate, timeout_s)
 
 
 def ask(port: int, model: str = MODEL_NAME, max_tokens: int = 4) -> httpx.Response:

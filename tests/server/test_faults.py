@@ -11,14 +11,13 @@ import contextlib
 import signal
 import socket
 import sqlite3
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from appliance.cache.block import decode, read_file
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, write_config
+from tests.conftest import MODEL_NAME, Server, free_port, start_server, wait_for, write_config
 from tests.server.test_cache_api import chat
 
 pytestmark = pytest.mark.slow
@@ -87,16 +86,6 @@ def inject(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str, kv_dir: P
 
 def get(server: Server, path: str) -> dict:
     return httpx.get(f"{server.url}{path}", timeout=10).json()
-
-
-def wait_for(predicate, timeout_s: float = 60, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError("condition not reached in time")
 
 
 def live_requests(server: Server) -> int:
