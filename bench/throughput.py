@@ -1,18 +1,25 @@
 """Throughput and TTFT under concurrency: omlx against mlx_lm.server, side by side, one run.
 
-Scenario A: N concurrent streaming clients (N in 1, 4, 16, 64) sending chat requests in
-sequence; aggregate output tok/s and client-side TTFT p50/p99 per N. Each server runs each N
-twice with new prompts, in the order ABBA, and the two rounds are pooled: one round of a
-few waves is too short to rise above this machine's ±10% drift.
+Scenario A: N concurrent streaming clients (N in 1, 4, 16, 64; with --model 1, 8, 32, 64)
+sending chat requests in sequence; aggregate output tok/s and client-side TTFT p50/p99 per N.
+Each server runs each N twice with new prompts, in the order ABBA, and the two rounds are
+pooled: one round of a few waves is too short to rise above a small machine's ±10% drift.
+With --mlx-lm-batch, mlx_lm's own `batch_generate` (in this process, after the servers
+have stopped) runs the same prompts and max_tokens per N as a third baseline.
 Scenario B: short streaming requests alone, and again while one ~4,000-token prompt is
 being prefilled; short-request TTFT p50/p99 and how much p99 grows.
 
-Both servers serve the same converted float32 model with OpenBLAS preloaded and run at
-the same time; one idles while the other is measured, and they take turns going first,
-so slow drift in the machine's load hits both. Every prompt is unique, so no prompt
-cache (omlx's tiers, mlx_lm's LRU) can serve one; both get the same prompts.
+Both servers serve the same model (by default the converted float32 test model; with
+--model a model directory such as bench/gpu_model.py makes, which omlx loads in its own
+dtype) and run at the same time; one idles while the other is measured, and they take
+turns going first, so slow drift in the machine's load hits both. Every prompt is
+unique, so no prompt cache (omlx's tiers, mlx_lm's LRU) can serve one; both get the
+same prompts. The servers get OpenBLAS preloaded where it is installed (for MLX on CPU).
 
-    .venv/bin/python bench/throughput.py [--quick]
+    # CPU, the converted test model (OpenBLAS preloaded for --mlx-lm-batch, which runs in-process):
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 .venv/bin/python bench/throughput.py [--quick]
+    # NVIDIA GPU, a bf16 model from bench/gpu_model.py, under a profile from profiles/:
+    .venv/bin/python bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 [--mlx-lm-batch]
 
 Writes bench/out/throughput.json (after every measurement, so a killed run keeps what
 it measured) and prints markdown tables.
@@ -60,11 +67,12 @@ MLX_LM_ARGS = ["--decode-concurrency", "64"]
 OMLX_MAX_RUNNING = 64
 OMLX_MAX_QUEUED = 256
 REQUEST_TIMEOUT_S = 300.0  # no request here should take this long; a hang must not stall the run
-LONG_TIMEOUT_S = 600.0  # the ~4,000-token prefill on a busy 2-core machine
+LONG_TIMEOUT_S = 600.0  # the ~4,000-token prefill on a busy 2-core CPU machine
 # http.server's listen backlog is 5: a burst of 64 connects gets some dropped unanswered.
 # Such a connection is retried; its TTFT still counts from the first attempt.
 RETRIES = 3
 QUIET_WAIT_S = 20.0  # at most this long waiting for other processes to leave the CPU
+GPU_CONCURRENCY = (1, 8, 32, 64)  # scenario A's N with --model (the GPU issue's)
 
 
 @dataclass(frozen=True)
@@ -346,10 +354,78 @@ async def scenario_b(servers: list[ServerProcess], plan: Plan, long_chat: list[d
 
 
 async def quiet(groups: set[int]) -> None:
-    """Waits (boundedly) for other processes on this small machine to leave the CPU alone."""
+    """Waits (boundedly) for other processes on the machine to leave the CPU alone."""
     share = await wait_for_quiet(groups, max_wait_s=QUIET_WAIT_S)
     if share >= 0.2:
         log(f"   machine busy: others use {share:.0%} of the CPU; measuring anyway")
+
+
+# --- mlx_lm's batch_generate: a third baseline for scenario A, in-process -------------------
+
+
+@dataclass(frozen=True)
+class BatchRound:
+    """mlx_lm's batch_generate on scenario A's prompts of one N and repeat (at most N decoding at once)."""
+
+    concurrency: int
+    repeat: int
+    num_requests: int
+    completion_tokens: int  # generated tokens, an end-of-sequence token not counted
+    mean_prompt_tokens: float
+    wall_s: float  # prefill and decode of all requests
+    tok_s: float
+    generation_tps: float  # mlx_lm's own figure: decode tokens over decode time
+
+
+def scenario_a_batch(model_dir: Path, plan: Plan, rounds: list[BatchRound], save: Callable[[], None]) -> None:
+    """Runs scenario A's prompts through mlx_lm's batch_generate with completion_batch_size N."""
+    import mlx_lm
+    from mlx_lm.generate import batch_generate
+
+    from appliance.platform import blas_preloaded, openblas_path
+
+    if openblas_path() and not blas_preloaded():
+        log("   OpenBLAS is installed but not preloaded here: on CPU, run with LD_PRELOAD (see the docstring)")
+    log(f"mlx_lm batch_generate: loading {model_dir}")
+    model, tokenizer = mlx_lm.load(str(model_dir))
+
+    def encode(chats: list[list[dict]]) -> list[list[int]]:
+        return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+
+    def run(prompts: list[list[int]], n: int, max_tokens: int):
+        started = time.perf_counter()
+        done = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
+                              completion_batch_size=n, prefill_batch_size=min(n, 8))
+        return done, time.perf_counter() - started
+
+    run(encode(prompt_set("warm-mlx_lm-batch", 4, max_notes=2)), 4, 8)
+    for n in plan.concurrency:
+        for repeat in range(plan.repeats):
+            chats = prompt_set(f"A{n}" + (f"-{repeat}" if repeat else ""), plan.num_requests(n), max_notes=6)
+            prompts = encode(chats)
+            log(f"A: mlx_lm batch_generate N={n} repeat {repeat + 1}/{plan.repeats} ({len(prompts)} requests)")
+            done, wall_s = run(prompts, n, plan.max_tokens)
+            tokens = sum(len(ids) for ids in done.token_ids)
+            r = BatchRound(concurrency=n, repeat=repeat, num_requests=len(prompts), completion_tokens=tokens,
+                           mean_prompt_tokens=sum(map(len, prompts)) / len(prompts), wall_s=wall_s,
+                           tok_s=tokens / wall_s, generation_tps=done.stats.generation_tps)
+            log(f"   {r.tok_s:.1f} tok/s (decode alone {r.generation_tps:.1f}), wall {wall_s:.1f} s")
+            rounds.append(r)
+            save()
+
+
+def table_batch(batch: list[BatchRound], rounds: list[Round]) -> str:
+    rows = ["| N | requests | mlx_lm batch_generate tok/s | omlx tok/s | omlx / batch_generate | mlx_lm.server tok/s "
+            "| mlx_lm.server / batch_generate |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in sorted({b.concurrency for b in batch}):
+        bs = [b for b in batch if b.concurrency == n]
+        tok_s = sum(b.completion_tokens for b in bs) / sum(b.wall_s for b in bs)
+        served = {name: pooled(rs).tok_s if (rs := [r for r in rounds if r.concurrency == n and r.server == name])
+                  else None for name in ("omlx", "mlx_lm")}
+        rows.append(f"| {n} | {sum(b.num_requests for b in bs)} | {tok_s:.1f} | {fmt(served['omlx'], '.1f')} "
+                    f"| {fmt(ratio(served['omlx'], tok_s))} | {fmt(served['mlx_lm'], '.1f')} "
+                    f"| {fmt(ratio(served['mlx_lm'], tok_s))} |")
+    return "\n".join(rows)
 
 
 # --- warm-up, reports, main ----------------------------------------------------------------
@@ -453,6 +529,10 @@ def report(record: dict, plan: Plan) -> str:
                   f"(max(N, {plan.min_requests}) requests per N and repeat, {plan.repeats} repeat(s) a server, "
                   "each with new prompts, alternating which server goes first; tok/s: all tokens over all wall "
                   "time; TTFT percentiles over all requests)\n", table_a(record["scenario_a"]), ""]
+    if record.get("scenario_a_mlx_lm_batch"):
+        parts += ["Scenario A, mlx_lm's batch_generate in-process on the same prompts and max_tokens (at most N "
+                  "decoding at once; tok/s: all tokens over all wall time, prefill included)\n",
+                  table_batch(record["scenario_a_mlx_lm_batch"], record["scenario_a"]), ""]
     if record["scenario_b"]:
         parts += [f"Scenario B: {plan.short_clients} clients x {plan.short_requests_per_client} short requests "
                   f"(max_tokens {plan.short_max_tokens}), alone and during a {plan.long_prompt_tokens}-token "
@@ -486,17 +566,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip mlx_lm.server (for iterating; published figures come from runs with both)")
     parser.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
                         help="an extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prefill-step-size=512)")
+    parser.add_argument("--model", type=Path, metavar="DIR",
+                        help="serve this model directory (with a tokenizer; e.g. from bench/gpu_model.py) in its "
+                             f"own dtype, instead of the converted float32 test model; N defaults to {GPU_CONCURRENCY}")
+    parser.add_argument("--profile", metavar="NAME", help="an omlx profile from profiles/ (e.g. nvidia-h200)")
+    parser.add_argument("--mlx-lm-batch", action="store_true",
+                        help="also run scenario A's prompts through mlx_lm's batch_generate, in-process, "
+                             "after the servers have stopped")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/out/throughput*.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.model and not args.quick:
+        plan = replace(plan, concurrency=GPU_CONCURRENCY)
     if args.n:
         plan = replace(plan, concurrency=tuple(args.n))
     mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
-    suffix = "".join(["-quick" * args.quick, f"-{args.only}" if args.only else "",
+    model_dir = args.model.resolve() if args.model else converted_model_dir()
+    if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
+        parser.error(f"{model_dir}: no config.json and tokenizer.json there")
+    dtype = "auto" if args.model else "float32"
+    suffix = "".join([f"-{model_dir.name}" if args.model else "", "-quick" * args.quick, f"-{args.only}" if args.only else "",
                       "".join(f"-n{n}" for n in args.n or ()), "-variant" * bool(args.mlx_lm_arg),
                       "-omlx" * args.omlx_only])
     out = args.out or OUT_DIR / f"throughput{suffix}.json"
-    model_dir = converted_model_dir()
     # SIGTERM unwinds like Ctrl-C, so the servers below are stopped either way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
@@ -504,11 +596,14 @@ def main(argv: list[str] | None = None) -> int:
         **run_header(__file__, argv),
         "complete": False,
         "model_dir": str(model_dir),
+        "omlx_dtype": dtype,
+        "profile": args.profile,
         "plan": plan,
         "mlx_lm_args": mlx_lm_args,
         "warm_up_errors": {},
         "scenario_a": [],
         "scenario_b": [],
+        "scenario_a_mlx_lm_batch": [],
     }
 
     def save() -> None:
@@ -517,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp, contextlib.ExitStack() as stack:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
-                               max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx")]
+                               max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
+                               dtype=dtype)]
         if not args.omlx_only:
             servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
         for server in servers:
@@ -529,10 +625,14 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"starting {server.name}: {' '.join(server.argv)}")
                 server.start()
             asyncio.run(measure(servers, plan, model_dir, record, save, scenarios=args.only or "ab"))
-            record["complete"] = True
         finally:
             record["log_tails"] = {s.name: s.log_tail(60) for s in servers}
             save()
+    # After the servers have stopped, so that their memory (on a GPU, most of the card) is free.
+    if args.mlx_lm_batch and (args.only or "a") == "a":
+        scenario_a_batch(model_dir, plan, record["scenario_a_mlx_lm_batch"], save)
+    record["complete"] = True
+    save()
     print(report(record, plan))
     print(f"\nResults: {out}")
     return 0
