@@ -63,7 +63,23 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     from appliance.server.runner import serve
 
-    return serve(loaded)
+    status = serve(loaded)
+    exit_now(status)
+    return status  # not reached
+
+
+def exit_now(status: int) -> None:
+    """Ends a server process that has shut down (requests drained, SSD writes flushed, the
+    store closed) without the interpreter's teardown: on MLX CUDA that teardown destroys
+    the backend's threads in an order that aborts the process ("terminate called without
+    an active exception", status -6 after a clean stop, seen on an H200)."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_diff(args: argparse.Namespace) -> int:
