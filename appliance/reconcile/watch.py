@@ -19,6 +19,7 @@ from appliance.reconcile.apply import Outcome, Reconciler
 log = logging.getLogger("omlx.reconcile")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)  # one line per event is noise
 
+RECHECK_MS = 1000
 DEBOUNCE_MS = 50  # editors write in bursts; one look after the burst is enough
 
 
@@ -41,13 +42,20 @@ async def watch(reconciler: Reconciler, stop: asyncio.Event) -> None:
         if stop.is_set():
             return
         await asyncio.sleep(0.1)
-    await reconcile_now(reconciler)  # edits saved while the models were loading
+    first = True
     while not stop.is_set():
         files = watched_files(reconciler)
         dirs = {f.parent for f in files} | {d for d in profile_dirs(reconciler.appliance.config.path) if d.is_dir()}
+        # The state is taken before reconciling, and compared again on every event and at
+        # least once a second: an edit saved between the two, or before the watch began,
+        # raises no event of its own.
         seen = toml_state(dirs)
+        if first:
+            await reconcile_now(reconciler)  # edits saved while the models were loading
+            first = False
         async for _ in awatch(*dirs, stop_event=stop, debounce=DEBOUNCE_MS, step=DEBOUNCE_MS,
-                              recursive=False, ignore_permission_denied=True):
+                              recursive=False, ignore_permission_denied=True,
+                              rust_timeout=RECHECK_MS, yield_on_timeout=True):
             # Event paths vary with how editors save (renames, swap files); what counts is
             # whether any TOML file here (a layer, or one that may become one) changed.
             now = toml_state(dirs)
