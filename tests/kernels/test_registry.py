@@ -1,5 +1,7 @@
 """What [kernels] selects on this backend, and why, as the status shows it."""
 
+import pytest
+
 from appliance.kernels.registry import KERNELS, backend, refusal, report, select
 
 
@@ -9,6 +11,7 @@ def test_every_kernel_has_a_spec_key():
     assert set(KernelsSpec.model_fields) == set(KERNELS)
 
 
+@pytest.mark.skipif(backend() == "cuda", reason="CUDA has native kernels (tests/kernels/test_kv_move.py)")
 def test_auto_runs_the_generic_path_where_no_native_kernel_exists():
     chosen = select("kv_dequantize", "auto")
     assert (chosen.chosen, chosen.why) == ("generic", f"no native kv_dequantize kernel for the {backend()} backend yet")
@@ -19,3 +22,12 @@ def test_auto_runs_the_generic_path_where_no_native_kernel_exists():
 def test_the_report_says_what_was_asked_what_runs_and_why():
     assert report({"kv_quantize": "generic"}) == {"kv_quantize": {"asked": "generic", "chosen": "generic",
                                                                   "why": "asked for"}}
+
+
+def test_apply_hands_the_store_what_runs_now():
+    from appliance.kernels.registry import apply
+
+    calls = []
+    apply({"kv_quantize": "auto", "kv_dequantize": "generic"}, lambda **kw: calls.append(kw))
+    native = backend() == "cuda"  # auto waits for the self-test there: generic until it passed
+    assert calls[0] == {"quantize": False, "dequantize": False} or native

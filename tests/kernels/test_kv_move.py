@@ -1,0 +1,109 @@
+"""The native CUDA kernels against the generic paths, on the GPU they are written for.
+
+Run on an NVIDIA GPU with MLX CUDA (`bench/gpu_run.sh` runs this file there); elsewhere
+every test is skipped with the reason printed (`pytest -rs`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from appliance.kernels.registry import backend
+
+pytestmark = pytest.mark.skipif(backend() != "cuda", reason=f"native KV kernels are CUDA only; "
+                                                             f"this backend is {backend()}")
+
+SHAPE = (4, 8, 37, 128)  # layers, kv heads, tokens (a partial block), head dim
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from appliance.kernels.pinned import PinnedPool
+
+    return PinnedPool()
+
+
+def block(seed: int, dtype=mx.bfloat16, shape=SHAPE):
+    mx.random.seed(seed)
+    return mx.random.normal(shape).astype(dtype), (mx.random.normal(shape) * 3).astype(dtype)
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_a_block_goes_to_pinned_memory_and_back_as_the_generic_path_has_it(pool, bits, dtype):
+    from appliance.kernels import kv_move
+    from appliance.kernels.kv_quant import pack, unpack
+    from appliance.kernels.pinned import PinnedPool
+
+    keys, values = block(bits, dtype)
+    ((view, meta),) = kv_move.pack_to_host([(keys, values)], bits, pool.take)
+    payload, generic_meta = pack(keys, values, bits)
+    assert meta == generic_meta
+    assert np.array_equal(np.frombuffer(view, dtype=np.uint8), np.array(payload))  # the bytes the SSD gets
+    k, v = kv_move.to_block(PinnedPool.address_of(view), meta)
+    gk, gv = unpack(payload, meta)
+    for got, want in ((k, gk), (v, gv)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if bits == 16:
+            assert mx.array_equal(got, want).item()
+        else:  # the same affine map; the kernel rounds once, in float32
+            tol = mx.max(mx.abs(want.astype(mx.float32))).item() / 128
+            assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() <= tol
+
+
+def test_a_view_into_a_slot_is_read_from_where_it_starts(pool):
+    """A block read from an SSD file lies in its slot after the file's header."""
+    from appliance.kernels import kv_move
+    from appliance.kernels.kv_quant import pack
+    from appliance.kernels.pinned import PinnedPool
+
+    keys, values = block(7)
+    payload, meta = pack(keys, values, 16)
+    slot, _ = pool.take(4096 + payload.size)
+    slot[4096:] = np.array(payload).tobytes()
+    k, v = kv_move.to_block(PinnedPool.address_of(slot[4096:]), meta)
+    assert mx.array_equal(k, keys).item() and mx.array_equal(v, values).item()
+
+
+def test_the_self_test_passes_and_auto_selects_native():
+    from appliance.kernels import registry
+
+    registry.SELF_TEST.start()
+    assert registry.SELF_TEST.done.wait(120)
+    assert registry.SELF_TEST.failure is None
+    assert registry.select("kv_dequantize", "auto").chosen == "native"
+    assert registry.select("kv_quantize", "generic").chosen == "generic"
+
+
+def test_the_store_demotes_and_restores_through_pinned_memory(tmp_path):
+    """Memory evicts to host (into a pinned slot made ahead), a fetch reads it back through
+    the kernel, and the SSD tier reads into pinned memory too."""
+    from appliance.cache.kv import KVBlock
+    from appliance.cache.store import HOST, SSD, KVStore
+    from appliance.kernels.pinned import PinnedPool
+
+    keys, values = block(3)
+    nbytes = keys.nbytes + values.nbytes
+    store = KVStore(root=tmp_path, memory_bytes=nbytes, host_bytes=8 << 20, ssd_bytes=16 * nbytes)
+    store.use_native(quantize=True, dequantize=True)
+    store.expect_blocks(nbytes)
+    while store.wants_pinned():  # what an idle engine does: slots pinned ahead of need
+        store.pin_one()
+    try:
+        first = KVBlock(b"a" * 32, b"r" * 32, "m", tuple(range(37)), keys, values)
+        second = KVBlock(b"b" * 32, b"a" * 32, "m", tuple(range(37)), values, keys)
+        store.save([first])
+        store.save([second])  # evicts `first` to host
+        assert store.tier_of(first.key, "m") == HOST
+        assert PinnedPool.owns(store.host.get(first.key).payload)
+        fetched = store.fetch(first.key, dir="m", tokens=first.tokens)
+        assert fetched.tier == HOST
+        assert mx.array_equal(fetched.block.keys, keys).item()
+        assert store.flush(30)
+        ssd_block = store._read_ssd(second.key, "m", second.tokens)  # written through, read back pinned
+        assert PinnedPool.owns(ssd_block.payload)
+        assert store.ssd.contains(second.key, dir="m") and store.tier_of(second.key, "m") != SSD
+    finally:
+        store.close()
