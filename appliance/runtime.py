@@ -20,11 +20,15 @@ from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
 from appliance.engine.request import RequestStats
+from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
-from appliance.models.fingerprint import weights_fingerprint
+from appliance.models.fingerprint import start_fingerprint, weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
 from appliance.models.memory import check_memory
 from appliance.spec import CacheSpec, ModelSpec
+
+PROBE = object()  # model_cache: probe the layout
+FINGERPRINT_WAIT_S = 1.0  # past this, the KV cache attaches after readiness
 
 log = logging.getLogger("omlx.runtime")
 
@@ -116,9 +120,11 @@ class Appliance:
     def open_store(self, cache: CacheSpec, cache_dir: Path) -> KVStore:
         """Returns the KV store on `cache_dir`/kv (its SSD tier creates the directory, for
         this user only)."""
-        return KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
-                       host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes,
-                       host_kv_bits=cache.host_kv_bits, ssd_kv_bits=cache.ssd_kv_bits)
+        store = KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
+                        host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes,
+                        host_kv_bits=cache.host_kv_bits, ssd_kv_bits=cache.ssd_kv_bits)
+        select_kernels(self.spec.kernels.model_dump(), store.use_native)
+        return store
 
     def load_into(self, entry: ModelEntry, config: LoadedConfig, *, store: KVStore | None = None) -> None:
         """Loads `entry`'s model and starts its engine on `store` (default: the current one);
@@ -130,15 +136,45 @@ class Appliance:
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
-            cache = self.model_cache(loaded, store, spec.cache, cache_dir)
-            engine = Engine(loaded, spec.batching, cache=cache, prefetcher=self._prefetcher)
+            layout = probe_layout(loaded.model)  # MLX work: before the engine's thread starts
+            engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
             engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
+            self._attach_cache(engine, store, spec.cache, cache_dir, layout)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
             log.error("model %s failed to load: %s", entry.spec.name, e)
             entry.state, entry.error = "failed", str(e)
         entry.ready.set()
+
+    def _attach_cache(self, engine: Engine, store: KVStore | None, cache: CacheSpec, cache_dir: Path,
+                      layout) -> None:
+        """Gives `engine` its KV cache once the weights' fingerprint (the cache key) is known:
+        at once when it is (memoized, or small weights hashed during the load), else from a
+        background thread when the hash finishes, so that first sight of a large model
+        (16 GB: ~7 s on an H200 machine) does not hold up readiness; requests before that
+        run without the cache."""
+        future = start_fingerprint(engine.loaded.path, memo_dir=cache_dir)
+
+        def attach(_=None) -> None:
+            try:
+                model_cache = self.model_cache(engine.loaded, store, cache, cache_dir, layout=layout)
+            except Exception:
+                log.exception("model %s: its KV cache could not be opened; serving without it", engine.loaded.name)
+                return
+            if model_cache is not None and engine.cache is None and store is self.store:
+                engine.attach(model_cache)  # unless a reconcile reopened the cache meanwhile
+
+        try:
+            future.result(timeout=FINGERPRINT_WAIT_S)
+        except TimeoutError:
+            log.info("model %s: hashing its weights for the KV cache key; the cache attaches when done",
+                     engine.loaded.name)
+            future.add_done_callback(attach)
+            return
+        except Exception:
+            pass  # attach() reports it
+        attach()
 
     def _request_finished(self, model: str, stats: RequestStats) -> None:
         if self.on_request_finished is None:
@@ -156,9 +192,10 @@ class Appliance:
                              name=f"retire-{entry.spec.name}", daemon=True).start()
 
     def model_cache(self, loaded: LoadedModel, store: KVStore | None, cache: CacheSpec,
-                    cache_dir: Path) -> ModelCache | None:
-        """Returns the model's view of the KV store; None when its caches can't be blocked."""
-        layout = probe_layout(loaded.model)
+                    cache_dir: Path, *, layout=PROBE) -> ModelCache | None:
+        """Returns the model's view of the KV store; None when its caches can't be blocked.
+        `layout`: the model's KV layout when known (probing it runs the model)."""
+        layout = probe_layout(loaded.model) if layout is PROBE else layout
         if layout is None or store is None:
             log.warning("model %s: its KV cache type cannot be stored in blocks; prefix caching is off "
                         "for it (output is unaffected)", loaded.name)

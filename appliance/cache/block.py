@@ -20,6 +20,7 @@ import re
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,8 +218,10 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
 
 
-def read_file(path: Path) -> memoryview:
-    """Returns a whole file's bytes, read around the page cache where the OS allows.
+def read_file(path: Path, buffer: Callable[[int], memoryview] | None = None) -> memoryview:
+    """Returns a whole file's bytes, read around the page cache where the OS allows, into
+    `buffer(nbytes)` when given (e.g. pinned memory a GPU reads directly; page-aligned for
+    O_DIRECT), else into fresh memory.
 
     A restored block is copied into the caller's memory anyway; staging it in the page
     cache as well costs a fresh page per 4 KiB read (and evicts useful pages). On Linux
@@ -230,22 +233,28 @@ def read_file(path: Path) -> memoryview:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | direct)
             try:
-                return _read_direct(fd)
+                return _read_direct(fd, buffer)
             finally:
                 os.close(fd)
         except OSError as e:  # EINVAL: refused at open or at the first read
             if e.errno != errno.EINVAL:
                 raise
     with open(path, "rb", buffering=0) as f:
-        return memoryview(f.read())  # FileIO.readall sizes its buffer from fstat
+        if buffer is None:
+            return memoryview(f.read())  # FileIO.readall sizes its buffer from fstat
+        buf = buffer(os.fstat(f.fileno()).st_size)
+        return buf[:f.readinto(buf)]
 
 
-def _read_direct(fd: int) -> memoryview:
+def _read_direct(fd: int, buffer: Callable[[int], memoryview] | None) -> memoryview:
     size = os.fstat(fd).st_size
     padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
-    raw = np.empty(padded + DIRECT_ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % DIRECT_ALIGN
-    buf = memoryview(raw[start:start + padded])
+    if buffer is not None:
+        buf = buffer(padded)
+    else:
+        raw = np.empty(padded + DIRECT_ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % DIRECT_ALIGN
+        buf = memoryview(raw[start:start + padded])
     done = 0
     while done < size:
         n = os.preadv(fd, [buf[done:]], done)

@@ -94,6 +94,9 @@ class ModelCache:
         self._spaces: dict[str, KeySpace] = {}
         self._lock = threading.Lock()
         self.counters: Counter = Counter()
+        self.last_decision: dict | None = None  # restore or recompute: the inputs and the choice
+        if store.kv_bits[HOST] == store.kv_bits[SSD] == 16:  # full blocks' payloads: pinned ahead on CUDA
+            store.expect_blocks(layout.bytes_per_token * block_tokens)
 
     @property
     def dir(self) -> str:
@@ -145,16 +148,29 @@ class ModelCache:
         time from the model's measured prefill speed; unknown speed means restore all.
         """
         if not prefill_tok_s:
+            if count:
+                self.last_decision = {"prefill_tok_s": None, "hit_tokens": lookup.num_tokens,
+                                      "restore_tokens": lookup.num_tokens, "why": "prefill speed not measured yet"}
             return lookup
         best, best_gain, gain = 0, 0.0, 0.0
+        restore_by_tier: Counter = Counter()
         for n, hit in enumerate(lookup.hits, 1):
             restore_s = self.store.restore_s(hit.tier, hit.use_tokens * self.layout.bytes_per_token)
+            restore_by_tier[hit.tier] += restore_s
             gain += hit.use_tokens / prefill_tok_s - restore_s
             if gain > best_gain:
                 best, best_gain = n, gain
-        if best < len(lookup.hits) and count:
-            self.counters["recompute_chosen"] += 1
-        return lookup.truncated(best)
+        chosen = lookup.truncated(best)
+        if count:
+            if best < len(lookup.hits):
+                self.counters["recompute_chosen"] += 1
+            self.last_decision = {
+                "prefill_tok_s": round(prefill_tok_s), "hit_tokens": lookup.num_tokens,
+                "recompute_s": round(lookup.num_tokens / prefill_tok_s, 4),
+                "restore_s_by_tier": {t: round(v, 4) for t, v in restore_by_tier.items()},
+                "restore_gbps": {t: round(self.store.rates[t].bytes_per_s / 1e9, 3) for t in restore_by_tier},
+                "restore_tokens": chosen.num_tokens, "gain_s": round(best_gain, 4)}
+        return chosen
 
     def restorable(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
                    prefill_tok_s: float | None, count: bool = True) -> Lookup:
@@ -205,5 +221,6 @@ class ModelCache:
         c = self.counters
         prompt = c["prompt_tokens"]
         return {**dict(c), "hit_ratio": round(c["hit_tokens"] / prompt, 4) if prompt else None,
+                "last_decision": self.last_decision,
                 "block_tokens": self.block_tokens, "bytes_per_token": self.layout.bytes_per_token,
                 "dir": self.dir}

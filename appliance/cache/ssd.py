@@ -19,7 +19,7 @@ import tarfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,8 +102,10 @@ class SsdTier:
                 found.append((entry.key, tokens))
         return found
 
-    def get(self, key: bytes, *, dir: str, tokens: Sequence[int]) -> Block | None:
+    def get(self, key: bytes, *, dir: str, tokens: Sequence[int],
+            buffer: Callable[[int], memoryview] | None = None) -> Block | None:
         """Returns the verified block, or None (a counted miss; a bad file is removed).
+        The file is read into `buffer(nbytes)` when given (block.read_file).
 
         Blocks the caller for one sequential read of the file and a crc32 over it.
         """
@@ -112,13 +114,31 @@ class SsdTier:
             if entry is None:
                 self._counters.misses[ABSENT] += 1
                 return None
-        loaded = self._load(entry, tuple(tokens))
+        loaded = self._load(entry, tuple(tokens), buffer)
         if loaded is None:
             return None
         with self._lock:
             self._touch(entry)
             self._counters.hits += 1
         return loaded[1]
+
+    def probe_read(self, max_bytes: int, *, threads: int) -> tuple[int, float] | None:
+        """Reads up to `max_bytes` of stored block files, `threads` at a time, as restores
+        do (O_DIRECT: the disk, not the page cache), and returns (bytes, seconds); None
+        when nothing is stored or a read fails. Nothing is verified, counted or touched."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._lock:
+            entries = self._index.least_recent(max_bytes)
+        if not entries:
+            return None
+        started = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="kv-probe") as pool:
+                nbytes = sum(len(data) for data in pool.map(lambda e: read_file(self.root / e.path), entries))
+        except OSError:
+            return None
+        return nbytes, time.perf_counter() - started
 
     def put(self, block: Block) -> bool:
         """Returns whether the block is stored (True also when it already was).
@@ -287,12 +307,12 @@ class SsdTier:
                  index.num_blocks, index.total_bytes, time.perf_counter() - started, fixed)
         return index
 
-    def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None
-              ) -> tuple[memoryview, Block] | None:
+    def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None,
+              buffer: Callable[[int], memoryview] | None = None) -> tuple[memoryview, Block] | None:
         """Returns the file's bytes and its verified block, or None after dropping it."""
         started = time.perf_counter()
         try:
-            data = read_file(self.root / entry.path)
+            data = read_file(self.root / entry.path, buffer)
         except FileNotFoundError:
             self._drop(entry, MISSING, "file deleted behind the index")
             return None

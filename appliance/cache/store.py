@@ -11,6 +11,11 @@ The host and SSD tiers may keep KV at fewer bits than computed (`host_kv_bits`,
 it (to host precision) or when it is written through (to SSD precision); a block spilled
 from host to the SSD keeps the host's precision. A restore dequantizes it back.
 
+On CUDA, where device and host memory are separate, the native kernels (`use_native`,
+kernels/kv_move.py) keep host blocks in pinned memory and move them over the host link
+directly: a demote copies a block there, the SSD tier reads files there, and a restore
+reads it from there, each at tens of GB/s instead of MLX's 2-2.5 GB/s host paths.
+
 MLX work (building arrays) happens on the calling engine thread; `prefetch` only reads
 files into the host tier, so it is safe on an I/O thread.
 """
@@ -25,13 +30,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import orjson
 
-from appliance.cache.block import Block
+from appliance.cache.block import Block, write_atomic
 from appliance.cache.kv import KVBlock, from_bytes, to_bytes
 from appliance.cache.lru import LruTier
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
-from appliance.kernels.kv_quant import computed_nbytes
+from appliance.kernels import kv_move
+from appliance.kernels.kv_quant import computed_nbytes, pack, payload_nbytes, stored_fraction
+from appliance.kernels.pinned import PinnedError, PinnedPool
 from appliance.moving_average import moving_average
 
 log = logging.getLogger("omlx.cache")
@@ -42,7 +50,14 @@ DEQUANTIZE = "dequantize"  # not a tier: the rate of turning 8- or 4-bit blocks 
 # conservative for SSDs.
 DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9, DEQUANTIZE: 5e9}
 WRITER_PENDING_BYTES = 1 << 30
+RATES_FILE = "rates.json"  # under the SSD root, beside index.sqlite
+# On CUDA (the native kernels' backend) the writer's queue holds device memory, not the
+# host's: room for a long prompt's blocks, so a 32K-token prompt of an 8B model (4.3 GB)
+# reaches the SSD whole.
+NATIVE_WRITER_PENDING_BYTES = 8 << 30
+PINNED_AHEAD_BYTES = 8 << 30  # pinned slots made ahead of need by idle engines (and kept when freed)
 PREFETCH_READERS = 4
+SSD_PROBE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -82,9 +97,17 @@ class KVStore:
         # clears its key, so a key left behind by an eviction is harmless.
         self._prefetched: set[bytes] = set()
         self.rates = {tier: Rate(r) for tier, r in DEFAULT_RATES.items()}
+        # Measured prefill speed per model dir (the engines keep it here): with the tiers'
+        # rates, what restore-or-recompute decides by. Both are kept across restarts
+        # (RATES_FILE), so the first request after a start decides from measurements too.
+        self.prefill_tok_s: dict[str, float] = {}
         self.ssd: SsdTier | None = None
         self.writer: SsdWriter | None = None
         self.ssd_error: str | None = None
+        self._native_down = self._native_up = False  # use_native
+        self._pool: PinnedPool | None = None
+        self._block_nbytes: set[int] = set()  # expect_blocks: the sizes to pin slots for ahead
+        self._pinning_failed = False
         self._lock = threading.Lock()
         # Block files are read in parallel: a read's cost here is as much fresh memory
         # (page faults) as the disk, and both spread over cores and the device queue.
@@ -105,6 +128,39 @@ class KVStore:
             return
         self.ssd = tier
         self.writer = SsdWriter(tier, max_pending_bytes=WRITER_PENDING_BYTES)
+        self._load_rates()
+        if self.rates[SSD].value is None:
+            threading.Thread(target=self._probe_ssd, name="kv-ssd-probe", daemon=True).start()
+
+    def _probe_ssd(self) -> None:
+        """Measures the SSD tier's read rate from the blocks a previous run left, so the
+        first restore-or-recompute decision after a start weighs the disk as it is, not a
+        guess (a decision for recompute would otherwise never read the disk to learn it)."""
+        probed = self.ssd.probe_read(SSD_PROBE_BYTES, threads=PREFETCH_READERS)
+        if probed is not None and self.rates[SSD].value is None:
+            file_bytes, seconds = probed
+            # The rate is kept in bytes of KV as computed: a file at 8 bits holds ~twice its size.
+            self.rates[SSD].add(int(file_bytes / stored_fraction(self.kv_bits[SSD])), seconds)
+            log.info("SSD tier reads %.2f GB/s (%d MiB probed)", file_bytes / seconds / 1e9, file_bytes >> 20)
+
+    def _load_rates(self) -> None:
+        try:
+            saved = orjson.loads((self.ssd.root / RATES_FILE).read_bytes())
+            for tier, value in saved.get("restore_bytes_per_s", {}).items():
+                if tier in self.rates and isinstance(value, (int, float)) and value > 0:
+                    self.rates[tier].value = float(value)
+            self.prefill_tok_s.update({d: float(v) for d, v in saved.get("prefill_tok_s", {}).items()
+                                       if isinstance(v, (int, float)) and v > 0})
+        except (OSError, ValueError, AttributeError, TypeError):  # none yet, or unreadable: measure anew
+            pass
+
+    def _save_rates(self) -> None:
+        rates = {tier: r.value for tier, r in self.rates.items() if r.value}
+        data = orjson.dumps({"restore_bytes_per_s": rates, "prefill_tok_s": self.prefill_tok_s})
+        try:
+            write_atomic(self.ssd.root / RATES_FILE, data, b"")
+        except OSError as e:
+            log.warning("could not keep the measured rates: %s", e)
 
     # --- lookup ----------------------------------------------------------------------
 
@@ -148,7 +204,7 @@ class KVStore:
             return None
         decoding = time.perf_counter()
         try:
-            block = from_bytes(stored)
+            block = self._to_device(stored)
         except (KeyError, ValueError, AttributeError) as e:
             log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
             return None
@@ -177,7 +233,41 @@ class KVStore:
         return count
 
     def _read_ssd(self, key: bytes, dir: str, tokens: tuple[int, ...]) -> Block | None:
-        return None if self.ssd is None else self.ssd.get(key, dir=dir, tokens=tokens)
+        if self.ssd is None:
+            return None
+        buffer = self._pinned if self._native_up else None  # read where the kernel reads it from
+        return self.ssd.get(key, dir=dir, tokens=tokens, buffer=buffer)
+
+    def _pinned(self, nbytes: int) -> memoryview:
+        """A pinned slot when one is free, else fresh memory (the generic path reads it)."""
+        taken = self._pool.take(nbytes, allocate=False)
+        return taken[0] if taken is not None else memoryview(np.empty(nbytes, dtype=np.uint8))
+
+    def _to_device(self, stored: Block) -> KVBlock:
+        """Returns a bytes block as MLX arrays: read by the native kernel where it lies in
+        pinned memory, else by the generic path."""
+        payload = stored.payload
+        if not (self._native_up and PinnedPool.owns(payload) and kv_move.unsupported(stored.meta) is None):
+            return from_bytes(stored)
+        if payload.nbytes != payload_nbytes(stored.meta):
+            raise ValueError(f"payload holds {payload.nbytes} bytes, its meta says {payload_nbytes(stored.meta)}")
+        keys, values = kv_move.to_block(PinnedPool.address_of(payload), stored.meta)
+        if keys.shape[2] != len(stored.tokens) or values.shape[2] != len(stored.tokens):
+            raise ValueError("payload shape does not match the block's tokens")
+        return KVBlock(stored.key, stored.parent, stored.dir, stored.tokens, keys, values)
+
+    def _to_host(self, block: KVBlock, bits: int) -> Block:
+        """Returns `block` as bytes at `bits` bits in host memory: copied by the native
+        kernel into a free pinned slot, else by the generic path (the host reads what MLX
+        made, through numpy)."""
+        if self._native_down:
+            payload, meta = pack(block.keys, block.values, bits)
+            taken = self._pool.take(payload.size, allocate=False)
+            if taken is not None:
+                kv_move.to_host([(payload, taken[1])])
+                return Block(block.key, block.parent, block.dir, block.tokens, meta, taken[0])
+        stored = to_bytes([block], bits=bits)[0]
+        return replace(stored, payload=memoryview(np.array(stored.payload)))
 
     def restore_s(self, tier: str, nbytes: int) -> float:
         """Returns the expected seconds to restore `nbytes` of KV (as computed) from `tier`,
@@ -192,7 +282,9 @@ class KVStore:
 
     def save(self, blocks: list[KVBlock]) -> None:
         """Puts new blocks in memory and writes them through to the SSD behind the request."""
-        written = to_bytes(self._fitting_writer(blocks), bits=self.kv_bits[SSD])  # one wait for all the copies
+        # Device copies, one wait for all; the writer thread reads them out. (Pinned slots
+        # stay for the host tier: copying there costs this thread the host link's time.)
+        written = to_bytes(self._fitting_writer(blocks), bits=self.kv_bits[SSD])
         for block in blocks:
             self.put_memory(block)
         for block in written:  # read out by the writer thread, not here
@@ -218,8 +310,7 @@ class KVStore:
             self._demote(evicted)
 
     def _demote(self, block: KVBlock) -> None:
-        stored = to_bytes([block], bits=self.kv_bits[HOST])[0]
-        self._put_host(replace(stored, payload=memoryview(np.array(stored.payload))))  # copied to host RAM
+        self._put_host(self._to_host(block, self.kv_bits[HOST]))
 
     def _put_host(self, block: Block, *, prefetched: bool = False) -> None:
         if prefetched:
@@ -242,6 +333,41 @@ class KVStore:
 
     # --- management ------------------------------------------------------------------
 
+    def use_native(self, *, quantize: bool, dequantize: bool) -> None:
+        """Selects the native kernels (kernels/registry.py) for blocks going down to host
+        memory (`quantize`: demotes, into pinned slots) and coming up from it (`dequantize`:
+        restores from pinned slots, into which the SSD tier then reads). Only free slots are
+        used (idle engines pin them: `pin_one`); without one a block takes the generic path.
+        Blocks already stored keep working either way. The SSD writer's queue may then
+        hold a long prompt's blocks whole: on CUDA they wait in device memory, which is
+        separate from the host's."""
+        if (quantize or dequantize) and self._pool is None:
+            self._pool = PinnedPool(keep_free_bytes=PINNED_AHEAD_BYTES, limit_bytes=self.host.budget_bytes)
+        self._native_down, self._native_up = quantize, dequantize
+        if self.writer is not None:
+            self.writer.max_pending_bytes = NATIVE_WRITER_PENDING_BYTES if quantize else WRITER_PENDING_BYTES
+
+    def expect_blocks(self, nbytes: int) -> None:
+        """Says a model's full blocks hold `nbytes` of KV: with the native kernels, pinned
+        slots for them are made ahead (`pin_one`, by idle engines)."""
+        self._block_nbytes.add(nbytes)
+
+    def wants_pinned(self) -> bool:
+        """Returns whether more pinned slots should be made ahead of need."""
+        return (self._pool is not None and self._native_down and not self._pinning_failed
+                and any(self._pool.wants(n) for n in self._block_nbytes))
+
+    def pin_one(self) -> None:
+        """Pins one slot ahead of need (~50 ms for a 64 MiB block). Engines call it only when
+        idle: pinning holds up the GPU's other work while it runs."""
+        try:
+            for nbytes in list(self._block_nbytes):
+                if self._pool is not None and self._pool.reserve_one(nbytes):
+                    return
+        except PinnedError as e:  # out of pinned memory: the slots made so far serve
+            self._pinning_failed = True
+            log.warning("pinning host memory for the KV cache stopped: %s", e)
+
     def set_kv_bits(self, *, host_kv_bits: int, ssd_kv_bits: int) -> None:
         """Sets the precision of blocks that go down a tier from now on (those stored stay
         as they are and still decode: their meta says their precision)."""
@@ -256,6 +382,8 @@ class KVStore:
             self._demote(evicted)
         if self.ssd is not None:
             self.ssd.resize(ssd_bytes)
+        if self._pool is not None:
+            self._pool.limit_bytes = host_bytes
 
     def clear(self, dir: str | None = None) -> int:
         """Removes the blocks under `dir` (its subdirs too; all when None); returns how many."""
@@ -279,6 +407,8 @@ class KVStore:
         if self.writer is not None:
             self.writer.close()
         if self.ssd is not None:
+            if not self.ssd.stats().get("disabled"):
+                self._save_rates()
             self.ssd.close()
 
     def stats(self) -> dict:
@@ -291,7 +421,9 @@ class KVStore:
             ssd["writer"] = self.writer.stats()
         return {
             MEMORY: {**self.memory.stats(), "restore_gbps": rate(MEMORY)},
-            HOST: {**self.host.stats(), "restore_gbps": rate(HOST), "kv_bits": self.kv_bits[HOST]},
+            HOST: {**self.host.stats(), "restore_gbps": rate(HOST), "kv_bits": self.kv_bits[HOST],
+                   "pinned_bytes": self._pool.total_bytes if self._pool else 0,
+                   "pinned_free_bytes": self._pool.free_bytes if self._pool else 0},
             SSD: {**ssd, "restore_gbps": rate(SSD), "kv_bits": self.kv_bits[SSD],
                   "dequantize_gbps": rate(DEQUANTIZE)},
         }

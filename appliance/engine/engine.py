@@ -37,6 +37,8 @@ WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Say hello."})
 WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
 WARM_UP_TOKENS = 3
+IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
+RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
 GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
 
 
@@ -107,7 +109,8 @@ class Engine:
         self.limits = limits
         self.cache = cache
         self._prefetcher = prefetcher
-        self.prefill_tok_s: float | None = None  # measured, for restore-or-recompute
+        # Measured, for restore-or-recompute; kept in the store, which keeps it across restarts.
+        self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         self.on_finished: Callable[[RequestStats], None] | None = None  # metrics, on this thread
         self._cond = threading.Condition()
@@ -167,6 +170,16 @@ class Engine:
             self._commands.submitted.append(slot)
             self._cond.notify()
         return handle
+
+    def attach(self, cache: ModelCache) -> None:
+        """Gives a running engine its KV cache (the runtime attaches it once the weights'
+        fingerprint is known); requests admitted from then on use it."""
+        with self._cond:
+            if self.prefill_tok_s is None:
+                self.prefill_tok_s = cache.store.prefill_tok_s.get(cache.dir)
+            self.cache = cache
+            self._cond.notify()
+        log.info("model %s: KV cache attached", self.loaded.name)
 
     def _wake(self) -> None:
         with self._cond:
@@ -277,11 +290,21 @@ class Engine:
             self._drop(slot, "cancelled")
 
     def _next_commands(self) -> _Commands | None:
-        """Returns the commands that arrived since the last step; None once stopping."""
+        """Returns the commands that arrived since the last step; None once stopping. While
+        idle, the engine pins host memory for the KV cache's native path, a slot at a time
+        (pinning holds the GPU up: never while requests run)."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
                        or self._stopping or self._wakeups or self._admissible()):
-                self._cond.wait()
+                if self.cache is not None and self.cache.store.wants_pinned():
+                    self._cond.release()
+                    try:
+                        self.cache.store.pin_one()
+                    finally:
+                        self._cond.acquire()
+                    continue
+                # Timed: the native kernels' self-test may enable pinning at any moment.
+                self._cond.wait(timeout=IDLE_RECHECK_S if self.cache is not None else None)
             if self._stopping:
                 return None
             commands, self._commands = self._commands, _Commands()
@@ -322,6 +345,7 @@ class Engine:
         if self.cache is None:
             return None
         prompt = slot.request.prompt_tokens
+        started = time.perf_counter()
         try:
             lookup = self.cache.restorable(prompt, tenant=slot.request.tenant,
                                            prefill_tok_s=self.prefill_tok_s)
@@ -329,6 +353,9 @@ class Engine:
         except Exception:  # a cache fault costs a recompute, never the request
             log.exception("cache restore failed on model %s; recomputing", self.loaded.name)
             return None
+        if restored.num_tokens >= RESTORE_LOG_TOKENS:
+            log.info("model %s: restored %d of %d prompt tokens (%s) in %.3f s", self.loaded.name,
+                     restored.num_tokens, len(prompt), restored.tiers, time.perf_counter() - started)
         slot.stats.cached_tokens = restored.num_tokens
         slot.stats.cached_by_tier = restored.tiers
         return restored
@@ -426,6 +453,8 @@ class Engine:
         if computed >= 64 and stats.admitted_at is not None and now > stats.admitted_at:
             rate = computed / (now - stats.admitted_at)
             self.prefill_tok_s = moving_average(self.prefill_tok_s, rate)
+            if self.cache is not None:
+                self.cache.store.prefill_tok_s[self.cache.dir] = self.prefill_tok_s
 
     def _remove(self, slot: Slot) -> None:
         """Takes a request out of the batch, keeping its KV."""

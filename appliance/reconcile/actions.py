@@ -162,8 +162,13 @@ class SelectKernels(Action):
         return "select kernels: " + ", ".join(f"{k}={v}" for k, v in self.kernels.model_dump().items())
 
     async def prepare(self, run: Run) -> Step:
-        # No native kernel exists yet: the selection is recorded and shown in the status.
-        return Step()
+        from appliance.kernels.registry import apply
+
+        store, old = run.appliance.store, run.appliance.spec.kernels
+        if store is None:
+            return Step()
+        apply(self.kernels.model_dump(), store.use_native)
+        return Step(undo=lambda: apply(old.model_dump(), store.use_native))
 
 
 @dataclass(frozen=True)

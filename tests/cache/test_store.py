@@ -57,6 +57,25 @@ def store(tmp_path: Path) -> Iterator[KVStore]:
     s.close()
 
 
+def test_measured_rates_outlive_a_restart(tmp_path):
+    """The first request after a start decides restore-or-recompute from measured speeds."""
+    first = open_store(tmp_path / "kv")
+    first.rates[SSD].add(4 << 30, 2.0)
+    first.prefill_tok_s["model-a"] = 1234.0
+    first.close()
+    again = open_store(tmp_path / "kv")
+    try:
+        assert again.rates[SSD].bytes_per_s == pytest.approx(2 * 2**30)
+        assert again.rates[HOST].value is None  # never measured: the default stands
+        assert again.prefill_tok_s == {"model-a": 1234.0}
+    finally:
+        again.close()
+    (tmp_path / "kv" / "rates.json").write_text("{not json")
+    garbled = open_store(tmp_path / "kv")
+    assert garbled.prefill_tok_s == {}
+    garbled.close()
+
+
 def only_on_ssd(store: KVStore) -> None:
     """Flushes, then empties memory and host (their blocks are on the SSD already)."""
     assert store.flush(timeout_s=10)
@@ -338,7 +357,9 @@ def test_stats_shape(store):
     s = store.stats()
     assert set(s) == {MEMORY, HOST, SSD}
     for tier in (MEMORY, HOST):
-        assert set(s[tier]) - {"kv_bits"} == {"bytes", "budget_bytes", "blocks", "hits", "evictions", "restore_gbps"}
+        assert set(s[tier]) - {"kv_bits", "pinned_bytes", "pinned_free_bytes"} == {
+            "bytes", "budget_bytes", "blocks", "hits", "evictions", "restore_gbps"}
+    assert s[HOST]["pinned_bytes"] == s[HOST]["pinned_free_bytes"] == 0  # pinned memory is for CUDA
     assert s[HOST]["kv_bits"] == s[SSD]["kv_bits"] == 16
     assert s[MEMORY]["budget_bytes"] == 2 * BLOCK_BYTES and s[HOST]["budget_bytes"] == 2 * BLOCK_BYTES
     assert s[SSD]["budget_bytes"] == 64 * MIB and not s[SSD]["disabled"]
