@@ -141,13 +141,18 @@ class ServerProcess:
 
 def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued: int,
                 prefill_chunk_tokens: int | None = None, log_name: str = "omlx",
-                code: Path = REPO) -> ServerProcess:
+                code: Path = REPO, profile: str | None = None, dtype: str = "float32",
+                memory_gb: float | None = None, ssd_kv_bits: int = 16) -> ServerProcess:
     """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`,
-    running the `appliance` package of the checkout at `code`."""
+    running the `appliance` package of the checkout at `code`, under one of its `profile`s."""
     port = free_port()
     chunk = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
+    memory = f"memory_gb = {memory_gb}\n" if memory_gb is not None else ""
+    memory += f"ssd_kv_bits = {ssd_kv_bits}\n" if ssd_kv_bits != 16 else ""
     config = work_dir / "omlx.toml"
-    config.write_text(f"""\
+    with_profiles(work_dir, code)
+    head = f'profile = "{profile}"\n' if profile else ""
+    config.write_text(f"""{head}\
 [server]
 host = "{HOST}"
 port = {port}
@@ -157,16 +162,23 @@ drain_timeout_s = 2
 name = "bench"
 source = "{model_dir}"
 default = true
-dtype = "float32"
+dtype = "{dtype}"
 
 [cache]
 dir = "{work_dir / 'cache'}"
-
+{memory}
 [batching]
 max_running = {max_running}
 max_queued = {max_queued}
 {chunk}""")
     return omlx_process(config, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
+
+
+def with_profiles(work_dir: Path, code: Path = REPO) -> None:
+    """Links the checkout's profiles/ beside a temp config (omlx looks for profiles there)."""
+    link = work_dir / "profiles"
+    if not link.exists():
+        link.symlink_to(code / "profiles", target_is_directory=True)
 
 
 def omlx_process(config: Path, port: int, log_path: Path, *, cwd: Path = REPO, **options) -> ServerProcess:

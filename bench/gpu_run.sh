@@ -5,11 +5,12 @@
 # that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
-#   bash bench/gpu_run.sh [STEPS]      # STEPS: any of save,prefill,ready (default: all)
+#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,ready,restore,restore8
+#                                  # (default: host,kernels,ready,restore)
 #
 # Everything lands in $OUT (JSON per bench, the server logs).
 set -u
-STEPS=${1:-save,prefill,ready}
+STEPS=${1:-host,kernels,ready,restore}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ ! -f /tmp/site/.done ]; then  # reassemble the MLX CUDA wheel and install all
   cp .gpu/part-b/* .gpu/SHA256SUMS /root/stage/ || exit 1
@@ -22,6 +23,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 - <<'PY' | tee "$OUT/startup.txt"
 import time; t0 = time.perf_counter()
+import appliance  # first, as `omlx serve` does (it keeps transformers from importing PyTorch)
 import mlx.core as mx; t1 = time.perf_counter()
 mx.eval(mx.zeros(1) + 1); t2 = time.perf_counter()
 import mlx_lm.utils; t3 = time.perf_counter()
@@ -31,13 +33,25 @@ print(f"import mlx.core {t1-t0:.2f} s, first eval {t2-t1:.2f} s, mlx_lm.utils {t
 PY
 python3 -X importtime -c "import appliance.runtime, appliance.server.runner" 2> "$OUT/importtime.txt"
 sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -12
-case $STEPS in *save*)
+case ",$STEPS," in *,host,*)
+  python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
+case ",$STEPS," in *,kernels,*)
+  python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py 2>&1 | tail -30 ;; esac
+case ",$STEPS," in *,save,*)
   python3 bench/save_step.py --shape 8b --tokens 25417 --out "$OUT/save_step.json" | tail -80 ;; esac
-case $STEPS in *prefill*)
+case ",$STEPS," in *,prefill,*)
   python3 bench/prefill_paths.py --shape 8b --tokens 25417 --tokenizer .gpu/tok \
     --paths generate_step,engine,engine_cache --out "$OUT/prefill_paths.json" 2>&1 | tail -40 ;; esac
-case $STEPS in *ready*)
+case ",$STEPS," in *,ready,*)
   [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
   # A fresh cache dir: the weights are seen for the first time (their fingerprint hashed).
   python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
     --out "$OUT/ready.json" 2>&1 | tail -25 ;; esac
+case ",$STEPS," in *,restore,*)
+  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
+  python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" --host \
+    --ssd-repeats 1 --out "$OUT/restore.json" 2>&1 | tail -45 ;; esac
+case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
+  python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
+    --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
+[ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs

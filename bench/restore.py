@@ -22,6 +22,14 @@ GET /admin/api/status.
 
     .venv/bin/python bench/restore.py [--quick]     # quick: 256 and 1K tokens; full: 512, 2K, 8K
     .venv/bin/python bench/restore.py --sizes 2K --code /path/to/other/checkout   # another commit's server
+    python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes 8K,25K --host --ssd-repeats 1
+
+With `--model` and `--profile` it runs on a GPU model (bench/gpu_model.py) under a profile;
+`--host` adds a host-tier phase: a server whose memory tier holds nothing (`memory_gb = 0`),
+so each block is demoted to host memory as it is saved and the repeat is restored from
+there. Every measured request records the server's restore-or-recompute decision (its
+inputs: prefill speed, per-tier restore rates and estimates; its choice), from
+GET /admin/api/cache.
 
 Writes bench/out/restore.json (bench/out/restore-quick.json with --quick) and prints a markdown
 table. Server logs: bench/out/logs/restore-<size>-<start>.log.
@@ -66,7 +74,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-FULL_SIZES = {"512": 512, "2K": 2048, "8K": 8000}  # the model's context is 8192
+FULL_SIZES = {"512": 512, "2K": 2048, "8K": 8000}  # the test model's context is 8192
+GPU_SIZES = {"8K": 8000, "25K": 25000, "32K": 32000}  # --model: GPU models have 32K
 QUICK_SIZES = {"256": 256, "1K": 1024}
 MAX_TOKENS = 8
 MEMORY_REPEATS = 3
@@ -82,9 +91,14 @@ QUESTION = "Summarize in one sentence what the code above does."
 
 
 def source_text() -> str:
-    """Returns real Python source from the venv, each file under a header (about 60K tokens)."""
-    root = site_packages()
-    return "\n\n".join(f"# File: {name}\n{(root / name).read_text()}" for name in SOURCES)
+    """Returns real Python source of installed packages, each file under a header (about 60K tokens)."""
+    import importlib.util
+
+    def path(name: str) -> Path:  # wherever the package lies (a venv, or a --target dir)
+        top = importlib.util.find_spec(name.split("/")[0])
+        return Path(top.origin).parent.parent / name if top and top.origin else site_packages() / name
+
+    return "\n\n".join(f"# File: {name}\n{path(name).read_text()}" for name in SOURCES)
 
 
 def prompt_of(tokens: ChatTokens, num_tokens: int, *, label: str) -> list[dict]:
@@ -113,6 +127,7 @@ class Shot:
     server_ttft_s: float | None
     server_queue_s: float | None
     foreign_cpu_share: float
+    decision: dict | None = None  # the server's restore-or-recompute inputs and choice
 
     @property
     def ttft_s(self) -> float | None:
@@ -126,6 +141,8 @@ class SizeResult:
     prompt_tokens: int | None = None
     cold: Shot | None = None
     memory: list[Shot] = field(default_factory=list)
+    host: list[Shot] = field(default_factory=list)  # --host: cold on an empty memory tier, then the repeat
+    host_pinned_bytes: int | None = None  # pinned host memory when the host phase began (CUDA)
     ssd_runs: list[Shot] = field(default_factory=list)  # one per restart
     ready_s: list[float] = field(default_factory=list)  # each start's time to /health 200
     drop_method: str | None = None
@@ -163,9 +180,16 @@ class SizeResult:
     def summary(self) -> dict:
         cold = self.cold.ttft_s if self.cold else None
         ssd = self.ssd.ttft_s if self.ssd else None
+        host = self.host[-1].ttft_s if len(self.host) > 1 else None
         return {
             "label": self.label, "prompt_tokens": self.prompt_tokens,
             "cold_ttft_s": cold, "memory_ttft_s": self.memory_ttft_s, "ssd_ttft_s": ssd,
+            "host_ttft_s": host, "host_over_cold": ratio(host, cold), "host_pinned_bytes": self.host_pinned_bytes,
+            "host_served_by": self.host[-1].served_by if len(self.host) > 1 else None,
+            "host_decision": self.host[-1].decision if len(self.host) > 1 else None,
+            "ssd_decision": self.ssd.decision if self.ssd else None,
+            "host_restore_gbps": ((self.host[-1].tier_deltas.get("host") or {}).get("restore_gbps")
+                                  if len(self.host) > 1 else None),
             "memory_over_cold": ratio(self.memory_ttft_s, cold), "ssd_over_cold": ratio(ssd, cold),
             "memory_cached_tokens": self.memory[0].timing.cached_tokens if self.memory else None,
             "ssd_cached_tokens": self.ssd.timing.cached_tokens if self.ssd else None,
@@ -188,16 +212,37 @@ async def timed(server: ServerProcess, name: str, messages: list[dict]) -> Shot:
     after = get_json(server.url, "/admin/api/cache")
     recent = get_json(server.url, "/admin/api/status")["models"][0]["recent_requests"]
     last = recent[-1] if recent else {}
+    decisions = [m.get("last_decision") for m in (after.get("models") or {}).values()]
     shot = Shot(name=name, timing=timing, tier_deltas=tier_deltas(before, after),
                 served_by=last.get("cached_by_tier") or {}, server_ttft_s=last.get("ttft_s"),
-                server_queue_s=last.get("queue_s"), foreign_cpu_share=share)
+                server_queue_s=last.get("queue_s"), foreign_cpu_share=share,
+                decision=decisions[0] if decisions else None)
     log(f"   {name}: TTFT {fmt(timing.ttft_s, '.3f')} s, prompt {timing.prompt_tokens}, cached "
         f"{timing.cached_tokens} {shot.served_by}, others' CPU {share:.0%} {timing.error or ''}")
+    log(f"      decision: {shot.decision}")
+    log(f"      tiers: {shot.tier_deltas}")
     return shot
 
 
-def start(model_dir: Path, work_dir: Path, log_name: str, code: Path, result: SizeResult) -> ServerProcess:
-    server = omlx_server(model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name, code=code)
+@dataclass(frozen=True)
+class Setup:
+    """How each server of the run is configured."""
+
+    model_dir: Path
+    code: Path
+    profile: str | None = None
+    dtype: str = "float32"
+    ssd_repeats: int = SSD_REPEATS
+    host: bool = False
+    ssd_kv_bits: int = 16
+
+
+def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
+          memory_gb: float | None = None) -> ServerProcess:
+    code = setup.code
+    server = omlx_server(setup.model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name,
+                         code=code, profile=setup.profile, dtype=setup.dtype, memory_gb=memory_gb,
+                         ssd_kv_bits=setup.ssd_kv_bits)
     log(f"starting omlx ({server.log_path.name}, code {code}), cache dir {work_dir / 'cache'}")
     server.start(ready_timeout_s=600)
     result.ready_s.append(server.ready_s)
@@ -205,15 +250,42 @@ def start(model_dir: Path, work_dir: Path, log_name: str, code: Path, result: Si
     return server
 
 
-def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: int, root: Path,
-                 code: Path) -> SizeResult:
+def wait_pinned(server: ServerProcess, *, settle_s: float = 2.0, limit_s: float = 60.0) -> int:
+    """Waits until the server's pinned host memory (CUDA: made by idle engines, at ~1.4 GB/s)
+    stops growing, and returns it; the host phase measures the native host path, not the
+    pinning."""
+    deadline, last, since = time.monotonic() + limit_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        pinned = get_json(server.url, "/admin/api/cache")["tiers"]["host"].get("pinned_bytes", 0)
+        if pinned != last:
+            last, since = pinned, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            break
+        time.sleep(0.25)
+    log(f"   {last / 2**30:.1f} GiB of host memory pinned")
+    return last
+
+
+def measure_size(setup: Setup, tokens: ChatTokens, label: str, num_tokens: int, root: Path) -> SizeResult:
     result = SizeResult(label=label, target_tokens=num_tokens)
     messages = prompt_of(tokens, num_tokens, label=f"restore-{label}")
     work_dir = root / label
     work_dir.mkdir()
     cache_dir = work_dir / "cache"
 
-    server = start(model_dir, work_dir, f"restore-{label}-1", code, result)
+    if setup.host:  # its own cache dir: the measured prompt's blocks must not be on its SSD yet
+        host_dir = root / f"{label}-host"
+        host_dir.mkdir()
+        server = start(setup, host_dir, f"restore-{label}-host", result, memory_gb=0)
+        try:
+            result.host_pinned_bytes = wait_pinned(server)
+            host_messages = prompt_of(tokens, num_tokens, label=f"restore-{label}-host")
+            for name in ("host: cold", "host: repeat"):
+                result.host.append(asyncio.run(timed(server, name, host_messages)))
+        finally:
+            result.server_exit_codes.append(server.stop(grace_s=60))
+
+    server = start(setup, work_dir, f"restore-{label}-1", result)
     try:
         result.cold = asyncio.run(timed(server, "cold", messages))
         result.prompt_tokens = result.cold.timing.prompt_tokens
@@ -226,14 +298,14 @@ def measure_size(model_dir: Path, tokens: ChatTokens, label: str, num_tokens: in
     files = target_files = kv_files(cache_dir)  # the measured prompt's blocks
     result.block_files = len(target_files)
     result.block_bytes = sum(f.stat().st_size for f in target_files)
-    for run in range(1, SSD_REPEATS + 1):
+    for run in range(1, setup.ssd_repeats + 1):
         result.drop_method = drop_page_cache(files)
         resident = resident_bytes(target_files)
         if resident is not None:
             result.resident_after_drop_bytes = max(resident, result.resident_after_drop_bytes or 0)
         log(f"   {len(target_files)} block files, {result.block_bytes / 2**20:.1f} MiB; page cache dropped "
             f"({result.drop_method}), {resident} bytes of them still resident")
-        server = start(model_dir, work_dir, f"restore-{label}-ssd{run}", code, result)
+        server = start(setup, work_dir, f"restore-{label}-ssd{run}", result)
         try:
             resident = resident_bytes(target_files)
             if resident is not None:
@@ -281,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated prefix labels to run (e.g. 2K)")
     parser.add_argument("--code", type=Path, default=REPO,
                         help="the checkout whose omlx the servers run (default: this one)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a model directory (default: the converted test model, in float32)")
+    parser.add_argument("--profile", default=None, help="a profile of profiles/ for every server")
+    parser.add_argument("--ssd-repeats", type=int, default=SSD_REPEATS)
+    parser.add_argument("--host", action="store_true", help="add the host-tier phase")
+    parser.add_argument("--ssd-kv-bits", type=int, choices=(16, 8, 4), default=16)
     args = parser.parse_args(argv)
-    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    sizes = QUICK_SIZES if args.quick else GPU_SIZES if args.model else FULL_SIZES
     if args.sizes:
         wanted = args.sizes.split(",")
         unknown = [w for w in wanted if w not in sizes]
@@ -291,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {label: n for label, n in sizes.items() if label in wanted}
     name = "restore-quick" if args.quick else "restore"
     out = args.out or OUT_DIR / (f"{name}-{'-'.join(sizes)}.json" if args.sizes else f"{name}.json")
-    model_dir = converted_model_dir()
+    model_dir = args.model.resolve() if args.model else converted_model_dir()
+    setup = Setup(model_dir, args.code.resolve(), profile=args.profile, dtype="auto" if args.model else "float32",
+                  ssd_repeats=args.ssd_repeats, host=args.host, ssd_kv_bits=args.ssd_kv_bits)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     started = time.time()
     tokens = ChatTokens(model_dir)
@@ -300,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, n in sizes.items():
             log(f"prefix {label} ({n} tokens)")
             try:
-                results.append(measure_size(model_dir, tokens, label, n, Path(tmp), args.code.resolve()))
+                results.append(measure_size(setup, tokens, label, n, Path(tmp)))
             except Exception as e:  # keep the other sizes
                 log(f"   failed: {type(e).__name__}: {e}")
                 results.append(SizeResult(label=label, target_tokens=n, error=f"{type(e).__name__}: {e}"[:2000]))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import HOST, client, free_port, get_json, omlx_process, stream_chat  # noqa: E402
+from bench.common import HOST, client, free_port, get_json, omlx_process, stream_chat, with_profiles  # noqa: E402
 
 
 def long_text(model_dir: Path, num_tokens: int, seed: int) -> str:
@@ -80,6 +80,7 @@ def main() -> int:
     port = free_port()
     profile = f'profile = "{args.profile}"\n' if args.profile else ""
     config = work / "omlx.toml"
+    with_profiles(work)
     config.write_text(f"""{profile}
 [server]
 host = "{HOST}"
