@@ -203,3 +203,20 @@ def test_a_new_question_restores_the_whole_shared_context(rigs, tmp_path, restar
     assert warm["cached"] == shared
     (cold,) = rigs(tmp_path / "cold").run(second)
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_a_cache_attached_to_a_running_engine_serves_from_then_on(rigs, tmp_path):
+    """First sight of a large model attaches its cache after readiness (the weights'
+    fingerprint still hashing): requests before run without it, later ones use it, and the
+    engine takes the prefill speed the store kept."""
+    rig = rigs(tmp_path / "kv")
+    cache, rig.engine.cache = rig.engine.cache, None
+    prompt = rig.prompt("What is tested?")
+    assert rig.run(prompt)[0]["cached"] == 0
+    assert rig.run(prompt)[0]["cached"] == 0  # no cache: nothing was saved
+    rig.store.prefill_tok_s[cache.dir] = 1234.0
+    rig.engine.prefill_tok_s = None
+    rig.engine.attach(cache)
+    assert rig.engine.prefill_tok_s == 1234.0
+    rig.run(prompt)
+    assert rig.run(prompt)[0]["cached"] > 0
