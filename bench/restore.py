@@ -25,9 +25,9 @@ GET /admin/api/status.
     python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes 8K,25K --host --ssd-repeats 1
 
 With `--model` and `--profile` it runs on a GPU model (bench/gpu_model.py) under a profile;
-`--host` adds a host-tier phase: a server whose memory tier holds nothing (`memory_gb = 0`),
-so each block is demoted to host memory as it is saved and the repeat is restored from
-there. Every measured request records the server's restore-or-recompute decision (its
+`--host` adds a host-tier phase: a server whose memory tier holds one prompt's KV and not
+two; prompt A, then prompt B (which pushes A's blocks down to host memory), then A again,
+restored from there. Every measured request records the server's restore-or-recompute decision (its
 inputs: prefill speed, per-tier restore rates and estimates; its choice), from
 GET /admin/api/cache.
 
@@ -141,7 +141,7 @@ class SizeResult:
     prompt_tokens: int | None = None
     cold: Shot | None = None
     memory: list[Shot] = field(default_factory=list)
-    host: list[Shot] = field(default_factory=list)  # --host: cold on an empty memory tier, then the repeat
+    host: list[Shot] = field(default_factory=list)  # --host: cold A, cold B (A goes to host), A again
     host_pinned_bytes: int | None = None  # pinned host memory when the host phase began (CUDA)
     ssd_runs: list[Shot] = field(default_factory=list)  # one per restart
     ready_s: list[float] = field(default_factory=list)  # each start's time to /health 200
@@ -180,16 +180,16 @@ class SizeResult:
     def summary(self) -> dict:
         cold = self.cold.ttft_s if self.cold else None
         ssd = self.ssd.ttft_s if self.ssd else None
-        host = self.host[-1].ttft_s if len(self.host) > 1 else None
+        host = self.host[-1].ttft_s if len(self.host) > 2 else None
         return {
             "label": self.label, "prompt_tokens": self.prompt_tokens,
             "cold_ttft_s": cold, "memory_ttft_s": self.memory_ttft_s, "ssd_ttft_s": ssd,
-            "host_ttft_s": host, "host_over_cold": ratio(host, cold), "host_pinned_bytes": self.host_pinned_bytes,
-            "host_served_by": self.host[-1].served_by if len(self.host) > 1 else None,
-            "host_decision": self.host[-1].decision if len(self.host) > 1 else None,
+            "host_ttft_s": host, "host_over_cold": ratio(host, self.host[0].ttft_s if self.host else None), "host_pinned_bytes": self.host_pinned_bytes,
+            "host_served_by": self.host[-1].served_by if len(self.host) > 2 else None,
+            "host_decision": self.host[-1].decision if len(self.host) > 2 else None,
             "ssd_decision": self.ssd.decision if self.ssd else None,
             "host_restore_gbps": ((self.host[-1].tier_deltas.get("host") or {}).get("restore_gbps")
-                                  if len(self.host) > 1 else None),
+                                  if len(self.host) > 2 else None),
             "memory_over_cold": ratio(self.memory_ttft_s, cold), "ssd_over_cold": ratio(ssd, cold),
             "memory_cached_tokens": self.memory[0].timing.cached_tokens if self.memory else None,
             "ssd_cached_tokens": self.ssd.timing.cached_tokens if self.ssd else None,
@@ -250,6 +250,18 @@ def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
     return server
 
 
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Returns the KV bytes per token of a Llama-style model dir (keys and values, all
+    layers), in `dtype` ("auto": the checkpoint's own, bf16 for GPU models)."""
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * itemsize
+
+
 def wait_pinned(server: ServerProcess, *, settle_s: float = 2.0, limit_s: float = 60.0) -> int:
     """Waits until the server's pinned host memory (CUDA: made by idle engines, at ~1.4 GB/s)
     stops growing, and returns it; the host phase measures the native host path, not the
@@ -276,12 +288,16 @@ def measure_size(setup: Setup, tokens: ChatTokens, label: str, num_tokens: int, 
     if setup.host:  # its own cache dir: the measured prompt's blocks must not be on its SSD yet
         host_dir = root / f"{label}-host"
         host_dir.mkdir()
-        server = start(setup, host_dir, f"restore-{label}-host", result, memory_gb=0)
+        # A memory tier that holds one prompt's KV and not two: prompt B's blocks push
+        # prompt A's down to host memory, and A's repeat is served from there.
+        memory_gb = round(1.5 * num_tokens * kv_bytes_per_token(setup.model_dir, setup.dtype) / 2**30, 3)
+        server = start(setup, host_dir, f"restore-{label}-host", result, memory_gb=memory_gb)
         try:
             result.host_pinned_bytes = wait_pinned(server)
-            host_messages = prompt_of(tokens, num_tokens, label=f"restore-{label}-host")
-            for name in ("host: cold", "host: repeat"):
-                result.host.append(asyncio.run(timed(server, name, host_messages)))
+            a = prompt_of(tokens, num_tokens, label=f"restore-{label}-host-a")
+            b = prompt_of(tokens, num_tokens, label=f"restore-{label}-host-b")
+            for name, chat in (("host: cold A", a), ("host: cold B", b), ("host: repeat A", a)):
+                result.host.append(asyncio.run(timed(server, name, chat)))
         finally:
             result.server_exit_codes.append(server.stop(grace_s=60))
 
@@ -402,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
           f"measured request is the first one its server got, sent once /health answered 200. Target: SSD-after-restart TTFT ≤ {TARGET_SSD_SHARE:.0%} of cold from "
           f"{TARGET_FROM_TOKENS} tokens up.\nResults: {path}")
     for r in results:
+        s = r.summary()
+        if s["host_ttft_s"] is not None:
+            print(f"\nhost phase {r.label}: cold A {fmt(r.host[0].ttft_s, '.3f')} s, repeat A from host "
+                  f"{fmt(s['host_ttft_s'], '.3f')} s ({fmt(_pct(s['host_over_cold']))}% of its cold), served by "
+                  f"{s['host_served_by']}, {s['host_pinned_bytes'] / 2**30:.1f} GiB pinned; decision {s['host_decision']}")
         if r.error:
             print(f"\n{r.label}: {r.error}")
     return 0
