@@ -1,17 +1,28 @@
 """Agent-trace replay: a coding agent revisiting file contexts, against omlx and mlx_lm.server.
 
 12 contexts of about 2K tokens (one ~310-token system prompt shared by all, then a different
-real Python file from the venv's site-packages, trimmed to the context's token target), 40
-turns that revisit them with locality (a fixed seeded sequence: 12 first visits, 28 revisits,
-each revisit after 1 to 11 other turns). A turn is its context plus a short question that
-differs on every turn ("Turn 17: what does function X do?"), streamed one at a time with
-max_tokens 16, temperature 0. Both servers are restarted after turn 20.
+real Python file of an installed package, trimmed to the context's token target), 40 turns
+that revisit them with locality (a fixed seeded sequence: 12 first visits, 28 revisits, each
+revisit after 1 to 11 other turns). A turn is its context plus a short question that differs
+on every turn ("Turn 17: what does function X do?"), streamed one at a time with max_tokens
+16, temperature 0. Both servers are restarted halfway (after turn 20).
 
-Both servers serve the same converted float32 model with OpenBLAS preloaded and run side by
-side; turns are interleaved (turn t on one, then on the other, who goes first alternating),
-so drift in the machine's load hits both. mlx_lm.server gets `--prefill-step-size 512`,
-omlx's prefill chunk, so that the comparison is about caching, not chunk size. After each
-start a server gets one tiny unrelated request before anything is timed.
+With --model (a bf16 model directory from bench/gpu_model.py, tokenizer inside) it runs at
+GPU scale: 32 contexts of about 8K tokens (8000 ± 7.5%), 107 turns (75 revisits, each after 1
+to 29 other turns), restart after turn 53. --contexts and --context-tokens set the scale
+(turns, restart and gaps grow with the number of contexts, in the same proportions). A source
+file shorter than its context's target is passed over for the next in a longer list; the run
+stops at once, saying so, when too few installed files are long enough.
+
+Both servers serve the same model and run side by side: by default the converted float32
+test model with OpenBLAS preloaded; with --model that directory, which omlx loads in its own
+dtype ("auto") under --profile if given. Turns are interleaved (turn t on one, then on the
+other, who goes first alternating), so drift in the machine's load hits both. mlx_lm.server
+gets `--prefill-step-size` equal to omlx's prefill chunk (512, or the profile's
+prefill_chunk_tokens), so that the comparison is about caching, not chunk size; its prompt
+cache keeps its defaults (mlx_lm 0.32.2: at most 10 distinct KV caches, so at 32 contexts it
+cannot hold them all). After each start a server gets one tiny unrelated request before
+anything is timed.
 
 Hits. omlx: a revisit is a hit when cached_tokens (usage.prompt_tokens_details) >= 90% of its
 context's tokens. mlx_lm.server: a revisit is a hit when its TTFT <= 25% of that context's
@@ -23,10 +34,14 @@ every turn should be a hit); its wall time is compared with mlx_lm.server's firs
 Wall time is the sum of the turns' request times (client-side, send to last byte), without
 restarts and warm-ups.
 
-    .venv/bin/python bench/agent_trace.py [--quick]   # quick: 4 contexts of ~580 tokens, 10 turns
+    # CPU, the converted test model (quick: 4 contexts of ~580 tokens, 10 turns):
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 .venv/bin/python bench/agent_trace.py [--quick]
+    # NVIDIA GPU, a bf16 model from bench/gpu_model.py, under a profile from profiles/:
+    python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200   # 32 contexts of ~8K tokens
 
-Writes bench/out/agent_trace.json (agent_trace-quick.json with --quick) and prints markdown
-tables. Server logs: bench/out/logs/agent_trace-<server>-<start>.log.
+Writes bench/out/agent_trace.json (agent_trace-quick.json with --quick; with --model the model
+directory's name is added, e.g. agent_trace-llama-8b.json) and prints markdown tables. Server
+logs: bench/out/logs/agent_trace-<server>-<start>.log.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import signal
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     OUT_DIR,
+    REPO,
     ChatTokens,
     ForeignLoad,
     ServerProcess,
@@ -73,13 +90,30 @@ TARGET_REVISIT_SHARE = 0.10  # omlx revisit TTFT <= 10% of the context's first v
 TARGET_REVISIT_SUM = 1 / 5  # omlx revisit TTFT sum <= 1/5 of mlx_lm.server's
 TARGET_REPLAY_WALL = 1 / 3  # omlx second replay wall time <= 1/3 of mlx_lm.server's first
 REQUEST_TIMEOUT_S = 600.0
-MLX_LM_ARGS = ["--prefill-step-size", "512"]
+OMLX_PREFILL_CHUNK = 512  # omlx's default prefill_chunk_tokens; a profile may set another
+MLX_LM_ARGS = ["--prefill-step-size", str(OMLX_PREFILL_CHUNK)]
 OMLX, MLX_LM = "omlx", "mlx_lm"
+GPU_CONTEXTS = 32  # --model's defaults: the GPU issue's 32 contexts of 8K tokens
+GPU_CONTEXT_TOKENS = 8000
+CONTEXT_SPREAD = 0.075  # --context-tokens T: each context's target is drawn from T ± 7.5%
 
 FILES = (
     "mlx_lm/sample_utils.py", "mlx_lm/models/cache.py", "mlx_lm/models/llama.py", "mlx_lm/generate.py",
     "mlx_lm/tokenizer_utils.py", "httpx/_client.py", "httpx/_models.py", "starlette/routing.py",
     "starlette/responses.py", "uvicorn/config.py", "watchfiles/main.py", "h11/_connection.py",
+)
+# Used, in this order, where FILES run out or a file of FILES is shorter than its context's
+# target: larger files (40-300 KB, 10K-70K tokens) of packages omlx and its tokenizer depend on.
+MORE_FILES = (
+    "mlx_lm/server.py", "mlx_lm/utils.py", "jinja2/compiler.py", "jinja2/environment.py", "jinja2/filters.py",
+    "jinja2/parser.py", "pydantic/main.py", "pydantic/fields.py", "pydantic/types.py", "pydantic/json_schema.py",
+    "pydantic/_internal/_generate_schema.py", "pydantic/networks.py", "pydantic/config.py",
+    "pydantic_settings/main.py", "huggingface_hub/file_download.py", "huggingface_hub/hf_file_system.py",
+    "huggingface_hub/_commit_api.py", "huggingface_hub/utils/_http.py", "huggingface_hub/utils/_cache_manager.py",
+    "numpy/_core/numeric.py", "numpy/_core/arrayprint.py", "numpy/_core/fromnumeric.py", "numpy/linalg/_linalg.py",
+    "numpy/lib/_npyio_impl.py", "numpy/lib/_function_base_impl.py", "numpy/ma/core.py", "gguf/gguf_writer.py",
+    "gguf/quants.py", "gguf/vocab.py", "transformers/configuration_utils.py", "transformers/cache_utils.py",
+    "transformers/modeling_utils.py", "transformers/generation/utils.py", "transformers/tokenization_utils_base.py",
 )
 
 SYSTEM = """You are a coding agent working in a Python repository on behalf of a developer. You can read files, run tests and propose patches. Follow these rules on every turn:
@@ -110,6 +144,23 @@ QUICK = Plan(num_contexts=4, num_turns=10, restart_after=5, min_context_tokens=5
 SEED = 20240601
 
 
+def scaled(base: Plan, num_contexts: int | None, context_tokens: int | None) -> Plan:
+    """Returns `base` with `num_contexts` contexts (turns and gaps in proportion, the restart
+    halfway) of `context_tokens` ± 7.5% tokens; what is None stays as in `base`."""
+    plan = base
+    if num_contexts is not None and num_contexts != base.num_contexts:
+        turns = round(base.num_turns * num_contexts / base.num_contexts)
+        plan = Plan(num_contexts=num_contexts, num_turns=turns, restart_after=turns // 2,
+                    min_context_tokens=base.min_context_tokens, max_context_tokens=base.max_context_tokens,
+                    max_gap=max(1, round(base.max_gap * num_contexts / base.num_contexts)))
+    if context_tokens is not None:
+        spread = round(context_tokens * CONTEXT_SPREAD)
+        plan = Plan(num_contexts=plan.num_contexts, num_turns=plan.num_turns, restart_after=plan.restart_after,
+                    min_context_tokens=context_tokens - spread, max_context_tokens=context_tokens + spread,
+                    max_gap=plan.max_gap)
+    return plan
+
+
 # --- the trace -----------------------------------------------------------------------------------
 
 
@@ -137,7 +188,10 @@ def sequence(plan: Plan, seed: int) -> list[int]:
     """Returns the context index of each turn: first visits spread over the first 3/4, revisits with locality.
 
     Rejection-sampled over seeds from `seed` on until every revisit comes after 1 to
-    `max_gap` other turns and every context is visited 2 to 5 times; deterministic.
+    `max_gap` other turns and every context is visited 2 to 5 times; deterministic. A context
+    seen once whose last chance for a revisit has come is revisited then (after the seeded
+    draw, which is still made): without that, many contexts (--contexts 32) almost never all
+    get their revisit. A trace the plain draws accept is unchanged by this.
     """
     for s in range(seed, seed + 10_000):
         rng = random.Random(s)
@@ -153,6 +207,9 @@ def sequence(plan: Plan, seed: int) -> list[int]:
                 # Locality: recently used contexts come back more often, but any gap can occur.
                 weights = [1.0 / (t - last_seen[c]) ** 0.5 for c in due]
                 c = rng.choices(due, weights)[0]
+                last_chance = [d for d in due if t - last_seen[d] - 1 == plan.max_gap and seq.count(d) < 2]
+                if last_chance:
+                    c = last_chance[0]
             else:
                 break
             seq.append(c)
@@ -160,27 +217,86 @@ def sequence(plan: Plan, seed: int) -> list[int]:
         visits = [seq.count(c) for c in range(plan.num_contexts)]
         if len(seq) == plan.num_turns and min(visits, default=0) >= 2 and max(visits) <= 5:
             return seq
-    raise RuntimeError("no valid trace found")
+    raise RuntimeError(f"no valid trace found for {plan.num_contexts} contexts in {plan.num_turns} turns: "
+                       "ask for fewer contexts (--contexts)")
+
+
+def source_path(name: str) -> Path:
+    """Returns where the installed file `name` ("package/module.py") lies: a venv, or a --target dir."""
+    import importlib.util
+
+    try:
+        top = importlib.util.find_spec(name.split("/")[0])
+    except (ImportError, ValueError):
+        top = None
+    return Path(top.origin).parent.parent / name if top and top.origin else site_packages() / name
+
+
+class TooFewFiles(RuntimeError):
+    pass
 
 
 def build_contexts(tokens: ChatTokens, plan: Plan, rng: random.Random) -> list[Context]:
-    """Returns the contexts, each trimmed (by whole lines) to its seeded token target."""
-    contexts = []
-    for i, file in enumerate(FILES[:plan.num_contexts]):
+    """Returns the contexts, each trimmed (by whole lines) to its seeded token target.
+
+    Each takes the next file of FILES, then MORE_FILES, that is installed and longer than its
+    target; raises TooFewFiles when they run out.
+    """
+    contexts: list[Context] = []
+    candidates = iter(dict.fromkeys(FILES + MORE_FILES))
+    passed_over: list[str] = []
+    for i in range(plan.num_contexts):
         target = rng.randint(plan.min_context_tokens, plan.max_context_tokens)
-        lines = (site_packages() / file).read_text().splitlines()
+        for file in candidates:
+            path = source_path(file)
+            if not path.is_file():
+                passed_over.append(f"{file} (not found)")
+                continue
+            lines = path.read_text(errors="replace").splitlines()
 
-        def system(n: int) -> str:
-            return f"{SYSTEM}\n\n## Open file: {file}\n```python\n" + "\n".join(lines[:n]) + "\n```"
+            def system(n: int, file: str = file, lines: list[str] = lines) -> str:
+                return f"{SYSTEM}\n\n## Open file: {file}\n```python\n" + "\n".join(lines[:n]) + "\n```"
 
-        def count(n: int) -> int:
-            return len(tokens.prompt([{"role": "system", "content": system(n)}], generation_prompt=False))
+            def count(n: int, system=system) -> int:
+                return len(tokens.prompt([{"role": "system", "content": system(n)}], generation_prompt=False))
 
-        n = longest_fit(len(lines), lambda n: count(n) <= target)
+            # Search only a prefix of the file (~8 characters a token at most) when that is already
+            # over the target: the same fit as over the whole file, without tokenizing all of a 300 KB one.
+            cap, chars = len(lines), 0
+            for j, line in enumerate(lines):
+                chars += len(line) + 1
+                if chars > 8 * target:
+                    cap = j + 1
+                    break
+            if cap < len(lines) and count(cap) <= target:
+                cap = len(lines)
+            if count(cap) <= target:
+                passed_over.append(f"{file} ({count(cap)} tokens whole, target {target})")
+                continue
+            break
+        else:
+            raise TooFewFiles(
+                f"only {i} of {plan.num_contexts} contexts found a source file longer than its target "
+                f"({plan.min_context_tokens}-{plan.max_context_tokens} tokens) among FILES and MORE_FILES of "
+                f"bench/agent_trace.py; passed over: {', '.join(passed_over) or 'none'}. Ask for fewer contexts "
+                f"(--contexts) or fewer tokens (--context-tokens), or install the packages named there.")
+        n = longest_fit(cap, lambda n: count(n) <= target)
         functions = tuple(dict.fromkeys(re.findall(r"^\s*(?:async\s+)?def (\w+)", "\n".join(lines[:n]), re.M)))
-        contexts.append(Context(name=chr(ord("A") + i), file=file, system=system(n), num_tokens=count(n),
+        contexts.append(Context(name=context_name(i), file=file, system=system(n), num_tokens=count(n),
                                 functions=functions or ("this module",)))
+    if passed_over:
+        log("source files passed over: " + ", ".join(passed_over))
     return contexts
+
+
+def context_name(i: int) -> str:
+    """Returns A, B, ... Z, then AA, AB, ..."""
+    letters = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        letters = chr(ord("A") + r) + letters
+    return letters
 
 
 def build_turns(tokens: ChatTokens, plan: Plan, contexts: list[Context], order: list[int],
@@ -406,6 +522,14 @@ def targets_of(summaries: dict[tuple[str, int], dict]) -> list[dict]:
     ]
 
 
+def prefill_chunk(profile: str) -> int:
+    """Returns omlx's prefill chunk under `profile` (profiles/<profile>.toml), as mlx_lm.server's prefill step."""
+    path = REPO / "profiles" / f"{profile}.toml"
+    if not path.is_file():
+        return OMLX_PREFILL_CHUNK  # omlx itself will say that there is no such profile
+    return tomllib.loads(path.read_text()).get("batching", {}).get("prefill_chunk_tokens", OMLX_PREFILL_CHUNK)
+
+
 def _pct(value: float | None) -> float | None:
     return None if value is None else 100 * value
 
@@ -420,19 +544,48 @@ def _yes(value: bool | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 contexts of ~580 tokens, 10 turns, restart after 5")
+    parser.add_argument("--model", type=Path, metavar="DIR",
+                        help="serve this model directory (with a tokenizer; e.g. from bench/gpu_model.py) on both "
+                             "servers, omlx in its own dtype, instead of the converted float32 test model; "
+                             f"defaults to {GPU_CONTEXTS} contexts of {GPU_CONTEXT_TOKENS} tokens (unless --quick)")
+    parser.add_argument("--profile", metavar="NAME", help="an omlx profile from profiles/ (e.g. nvidia-h200)")
+    parser.add_argument("--contexts", type=int, metavar="N",
+                        help=f"number of contexts (default {FULL.num_contexts}, --quick {QUICK.num_contexts}, "
+                             f"--model {GPU_CONTEXTS}); turns, revisit gaps and the restart scale with it")
+    parser.add_argument("--context-tokens", type=int, metavar="T",
+                        help="each context's token target is drawn from T ± 7.5%% (default "
+                             f"{FULL.min_context_tokens}-{FULL.max_context_tokens}, --quick "
+                             f"{QUICK.min_context_tokens}-{QUICK.max_context_tokens}, --model {GPU_CONTEXT_TOKENS})")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="where omlx's cache dir goes (default: the temp dir)")
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    out = args.out or OUT_DIR / ("agent_trace-quick.json" if args.quick else "agent_trace.json")
-    model_dir = converted_model_dir()
+    if args.contexts is not None and not 2 <= args.contexts <= 200:
+        parser.error("--contexts: 2 to 200")
+    if args.context_tokens is not None and args.context_tokens < 400:
+        parser.error("--context-tokens: at least 400 (the shared system prompt alone is ~310)")
+    gpu_scale = args.model is not None and not args.quick
+    plan = scaled(QUICK if args.quick else FULL,
+                  args.contexts if args.contexts is not None else GPU_CONTEXTS if gpu_scale else None,
+                  args.context_tokens if args.context_tokens is not None else GPU_CONTEXT_TOKENS if gpu_scale else None)
+    model_dir = args.model.resolve() if args.model else converted_model_dir()
+    if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
+        parser.error(f"{model_dir}: no config.json and tokenizer.json there")
+    dtype = "auto" if args.model else "float32"
+    mlx_lm_args = ["--prefill-step-size", str(prefill_chunk(args.profile))] if args.profile else MLX_LM_ARGS
+    suffix = "".join([f"-{model_dir.name}" if args.model else "", "-quick" * args.quick,
+                      f"-c{args.contexts}" if args.contexts is not None else "",
+                      f"-t{args.context_tokens}" if args.context_tokens is not None else ""])
+    out = args.out or OUT_DIR / f"agent_trace{suffix}.json"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     started = time.time()
 
     tokens = ChatTokens(model_dir)
     rng = random.Random(SEED)
-    contexts = build_contexts(tokens, plan, rng)
-    order = sequence(plan, SEED)
+    try:
+        order = sequence(plan, SEED)
+        contexts = build_contexts(tokens, plan, rng)
+    except RuntimeError as e:  # no trace for this many contexts, or TooFewFiles
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     turns = build_turns(tokens, plan, contexts, order, rng)
     by_name = {c.name: c for c in contexts}
     log("trace: " + " ".join(contexts[c].name for c in order))
@@ -442,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = Path(tmp)
         sides = [
             Side(OMLX, lambda name: omlx_server(model_dir, work_dir=work_dir, max_running=4, max_queued=8,
-                                                log_name=name)),
-            Side(MLX_LM, lambda name: mlx_lm_server(model_dir, extra_args=MLX_LM_ARGS, log_name=name)),
+                                                log_name=name, profile=args.profile, dtype=dtype)),
+            Side(MLX_LM, lambda name: mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name=name)),
         ]
         try:
             for side in sides:
@@ -466,9 +619,11 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         **run_header(__file__, argv, started=started),
         "model_dir": str(model_dir),
+        "omlx_dtype": dtype,
+        "profile": args.profile,
         "plan": plan,
         "max_tokens": MAX_TOKENS,
-        "mlx_lm_args": MLX_LM_ARGS,
+        "mlx_lm_args": mlx_lm_args,
         "hit_rules": {OMLX: f"cached_tokens >= {OMLX_HIT_SHARE:.0%} of the context's tokens",
                       MLX_LM: f"TTFT <= {MLX_LM_HIT_SHARE:.0%} of the context's first-visit TTFT"},
         "wall": "sum of the turns' client-side request times; restarts and warm-ups excluded",
@@ -485,8 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         "warm_up_errors": {s.name: s.warm_up_errors for s in sides},
     }
     path = write_json(out, record)
-    print(f"## Agent trace: {plan.num_contexts} contexts, {plan.num_turns} turns "
-          f"({plan.num_turns - plan.num_contexts} revisits), restart after turn {plan.restart_after}\n")
+    print(f"## Agent trace: {plan.num_contexts} contexts of {plan.min_context_tokens}-{plan.max_context_tokens} "
+          f"tokens, {plan.num_turns} turns ({plan.num_turns - plan.num_contexts} revisits), restart after turn "
+          f"{plan.restart_after}\n")
+    print(f"Model: {model_dir} (omlx dtype {dtype}{f', profile {args.profile}' if args.profile else ''})\n")
     print("Trace: " + " ".join(contexts[c].name for c in order) + "\n")
     print(table_summary(list(summaries.values())))
     print("\n" + table_targets(targets))
@@ -495,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
           f"TTFT ≤ {MLX_LM_HIT_SHARE:.0%} of the context's first-visit TTFT (both rules are also counted for both "
           f"servers where they apply: mlx_lm 0.32.2 does report cached_tokens). Replay 2 (omlx only, after "
           f"one more restart) counts all {plan.num_turns} turns. Wall: sum of request times, restarts excluded. "
-          f"mlx_lm.server args: {' '.join(MLX_LM_ARGS)}. Each server start was warmed up with one tiny unrelated "
+          f"mlx_lm.server args: {' '.join(mlx_lm_args)}. Each server start was warmed up with one tiny unrelated "
           f"request.\nResults: {path}")
     return 0
 
