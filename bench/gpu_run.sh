@@ -5,7 +5,8 @@
 # that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
-#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,ready,restore,restore8
+#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,ready,restore,restore8,
+#                                  # throughput,agents,70b
 #                                  # (default: host,kernels,ready,restore)
 #
 # Everything lands in $OUT (JSON per bench, the server logs).
@@ -54,4 +55,17 @@ case ",$STEPS," in *,restore,*)
 case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
   python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
     --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
+case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate
+  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
+  python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch --only a \
+    --out "$OUT/throughput.json" 2>&1 | tail -30 ;; esac
+case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
+  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
+  python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \
+    2>&1 | tail -30 ;; esac
+case ",$STEPS," in *,70b,*)  # item 4: the 70B-shaped model at 4 bits, 32K from host and SSD
+  [ -d /tmp/llama-70b-4bit ] || python3 bench/gpu_model.py --shape 70b --bits 4 --out /tmp/llama-70b-4bit \
+    --tokenizer .gpu/tok
+  python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
+    --ssd-repeats 1 --out "$OUT/restore70b.json" 2>&1 | tail -20 ;; esac
 [ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs
