@@ -162,7 +162,7 @@ class Appliance:
             except Exception:
                 log.exception("model %s: its KV cache could not be opened; serving without it", engine.loaded.name)
                 return
-            if model_cache is not None and engine.cache is None and store is self.store:
+            if model_cache is not None and engine.cache is None:
                 engine.attach(model_cache)  # unless a reconcile reopened the cache meanwhile
 
         try:

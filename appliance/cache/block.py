@@ -218,10 +218,10 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
 
 
-def read_file(path: Path, buffer: Callable[[int], memoryview] | None = None) -> memoryview:
+def read_file(path: Path, buffer: Callable[[int], memoryview | None] | None = None) -> memoryview:
     """Returns a whole file's bytes, read around the page cache where the OS allows, into
-    `buffer(nbytes)` when given (e.g. pinned memory a GPU reads directly; page-aligned for
-    O_DIRECT), else into fresh memory.
+    `buffer(nbytes)` when given and it returns memory (e.g. pinned memory a GPU reads
+    directly; page-aligned for O_DIRECT), else into fresh memory.
 
     A restored block is copied into the caller's memory anyway; staging it in the page
     cache as well costs a fresh page per 4 KiB read (and evicts useful pages). On Linux
@@ -240,18 +240,17 @@ def read_file(path: Path, buffer: Callable[[int], memoryview] | None = None) -> 
             if e.errno != errno.EINVAL:
                 raise
     with open(path, "rb", buffering=0) as f:
-        if buffer is None:
+        buf = buffer(os.fstat(f.fileno()).st_size) if buffer is not None else None
+        if buf is None:
             return memoryview(f.read())  # FileIO.readall sizes its buffer from fstat
-        buf = buffer(os.fstat(f.fileno()).st_size)
         return buf[:f.readinto(buf)]
 
 
-def _read_direct(fd: int, buffer: Callable[[int], memoryview] | None) -> memoryview:
+def _read_direct(fd: int, buffer: Callable[[int], memoryview | None] | None) -> memoryview:
     size = os.fstat(fd).st_size
     padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
-    if buffer is not None:
-        buf = buffer(padded)
-    else:
+    buf = buffer(padded) if buffer is not None else None
+    if buf is None:
         raw = np.empty(padded + DIRECT_ALIGN, dtype=np.uint8)
         start = -raw.ctypes.data % DIRECT_ALIGN
         buf = memoryview(raw[start:start + padded])

@@ -103,7 +103,7 @@ class SsdTier:
         return found
 
     def get(self, key: bytes, *, dir: str, tokens: Sequence[int],
-            buffer: Callable[[int], memoryview] | None = None) -> Block | None:
+            buffer: Callable[[int], memoryview | None] | None = None) -> Block | None:
         """Returns the verified block, or None (a counted miss; a bad file is removed).
         The file is read into `buffer(nbytes)` when given (block.read_file).
 
@@ -308,7 +308,7 @@ class SsdTier:
         return index
 
     def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None,
-              buffer: Callable[[int], memoryview] | None = None) -> tuple[memoryview, Block] | None:
+              buffer: Callable[[int], memoryview | None] | None = None) -> tuple[memoryview, Block] | None:
         """Returns the file's bytes and its verified block, or None after dropping it."""
         started = time.perf_counter()
         try:

@@ -238,10 +238,11 @@ class KVStore:
         buffer = self._pinned if self._native_up else None  # read where the kernel reads it from
         return self.ssd.get(key, dir=dir, tokens=tokens, buffer=buffer)
 
-    def _pinned(self, nbytes: int) -> memoryview:
-        """A pinned slot when one is free, else fresh memory (the generic path reads it)."""
+    def _pinned(self, nbytes: int) -> memoryview | None:
+        """A pinned slot when one is free, else None: the file is read into fresh
+        (aligned) memory, and the generic path restores it."""
         taken = self._pool.take(nbytes, allocate=False)
-        return taken[0] if taken is not None else memoryview(np.empty(nbytes, dtype=np.uint8))
+        return taken[0] if taken is not None else None
 
     def _to_device(self, stored: Block) -> KVBlock:
         """Returns a bytes block as MLX arrays: read by the native kernel where it lies in

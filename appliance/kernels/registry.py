@@ -6,7 +6,7 @@ the generic one; `native` where the backend has none is refused when the spec is
 validated. CUDA has native versions of both kernels (kernels/kv_move.py, sources in
 kernels/cuda/); Metal and CPUs run the generic paths (a Metal version comes with a Mac to
 test it on). The self-test compiles and checks the native kernels against the generic
-path once per process, on a thread and stream of its own (`start_self_test`), so it never
+path once per process, on a thread and stream of its own (`SELF_TEST.start`), so it never
 delays readiness; until it passes, the generic paths run.
 """
 

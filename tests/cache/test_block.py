@@ -179,6 +179,8 @@ def test_read_file_reads_into_the_buffer_it_is_given(tmp_path):
 
     read = read_file(path, buffer)
     assert bytes(read) == data and read.obj is given[0].obj
+    # No buffer to give (no free pinned slot): fresh aligned memory, still read directly.
+    assert bytes(read_file(path, lambda nbytes: None)) == data
 
 
 def test_read_file_falls_back_to_an_ordinary_read_where_direct_io_is_refused(tmp_path, monkeypatch):
