@@ -42,6 +42,12 @@ class LruTier(Generic[T]):
             self.hits += 1
             return entry[0]
 
+    def touch(self, key: bytes) -> None:
+        """Marks `key` most recently used, if present (not counted as a hit)."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
     def put(self, key: bytes, value: T, nbytes: int) -> list[tuple[bytes, T]]:
         """Stores `value`; returns the evicted entries (or this one, if it can never fit)."""
         if nbytes > self.budget_bytes:

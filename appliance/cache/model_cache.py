@@ -189,10 +189,9 @@ class ModelCache:
         """Returns a ready prompt cache holding the looked-up prefix (engine thread only)."""
         dir = self.space(lookup.tenant).dir
         blocks, tiers, used = [], Counter(), 0
-        for hit in lookup.hits:
-            fetched = self.store.fetch(hit.key, dir=dir, tokens=hit.tokens)
-            if fetched is None:
-                break  # lost or corrupt since the lookup: restore what precedes it
+        # Up to the first block lost or corrupt since the lookup: what precedes it is restored.
+        fetched_all = self.store.fetch_all([(hit.key, hit.tokens) for hit in lookup.hits], dir=dir)
+        for hit, fetched in zip(lookup.hits, fetched_all):
             blocks.append(fetched.block)
             tiers[fetched.tier] += hit.use_tokens
             used += hit.use_tokens

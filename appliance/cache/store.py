@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import orjson
 
@@ -57,7 +58,18 @@ RATES_FILE = "rates.json"  # under the SSD root, beside index.sqlite
 NATIVE_WRITER_PENDING_BYTES = 8 << 30
 PINNED_AHEAD_BYTES = 8 << 30  # pinned slots made ahead of need by idle engines (and kept when freed)
 PREFETCH_READERS = 4
+RESTORE_WAVE_BYTES = 1 << 30  # a restore's copies to the device are waited for in waves this large
 SSD_PROBE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class _Lifted:
+    """A block taken from the host tier or read from the SSD, on its way to the device."""
+
+    stored: Block
+    measured: str  # the tier whose rate its restore time counts to
+    served: str  # the tier a hit is reported for
+    read_s: float  # spent taking or reading it
 
 
 @dataclass(frozen=True)
@@ -186,11 +198,39 @@ class KVStore:
                     found[b.key] = (b.tokens, name)
         return found
 
-    def fetch(self, key: bytes, *, dir: str, tokens: tuple[int, ...]) -> Fetched | None:
-        """Returns the block, promoted to memory, and the tier that served it; None when lost."""
-        block = self.memory.get(key)
-        if block is not None and block.tokens == tokens:
-            return Fetched(block, MEMORY)
+    def fetch_all(self, wanted: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> list[Fetched]:
+        """Returns the blocks of `wanted` (key, tokens), a prompt's chain in order, promoted
+        to memory, each with the tier that served it; up to the first one lost or unreadable.
+
+        Those in memory are marked used first, so promoting the rest never evicts them.
+        The rest come up in waves (RESTORE_WAVE_BYTES): one wait for each wave's copies,
+        and only after it are the wave's blocks put in memory, so the blocks they push down
+        reuse the pinned slots the wave has just freed instead of the generic path.
+        """
+        for key, _ in wanted:
+            self.memory.touch(key)
+        fetched: list[Fetched] = []
+        wave: list[_Lifted] = []
+        for key, tokens in wanted:
+            block = self.memory.get(key)
+            if block is not None and block.tokens == tokens:
+                if wave and not self._promote(wave, fetched):
+                    return fetched
+                fetched.append(Fetched(block, MEMORY))
+                continue
+            if not self._lift(key, dir, tokens, wave):
+                break
+            if sum(computed_nbytes(w.stored.meta) for w in wave) >= RESTORE_WAVE_BYTES:
+                if not self._promote(wave, fetched):
+                    return fetched
+        if wave:
+            self._promote(wave, fetched)
+        return fetched
+
+    def _lift(self, key: bytes, dir: str, tokens: tuple[int, ...], wave: list[_Lifted]) -> bool:
+        """Takes a block out of the host tier, else reads it from the SSD, into `wave`;
+        returns False when it is lost. (Only `wave` holds it, so emptying the wave frees
+        its pinned slot.)"""
         started = time.perf_counter()
         stored, measured = self.host.pop(key), HOST
         served = SSD if key in self._prefetched else HOST
@@ -201,19 +241,44 @@ class KVStore:
             stored, measured = self._read_ssd(key, dir, tokens), SSD
             served = SSD
         if stored is None:
-            return None
-        decoding = time.perf_counter()
-        try:
-            block = self._to_device(stored)
-        except (KeyError, ValueError, AttributeError) as e:
-            log.warning("dropping an unreadable cached block %s: %s", key.hex()[:16], e)
-            return None
-        done = time.perf_counter()
-        if stored.meta.get("bits", 16) != 16:
-            self.rates[DEQUANTIZE].add(block.nbytes, done - decoding)
-        self.rates[measured].add(block.nbytes, done - started)
-        self.put_memory(block)
-        return Fetched(block, served)
+            return False
+        wave.append(_Lifted(stored, measured, served, time.perf_counter() - started))
+        return True
+
+    def _promote(self, wave: list[_Lifted], fetched: list[Fetched]) -> bool:
+        """Moves `wave`'s blocks to the device (one wait), appends them to `fetched` and puts
+        them in memory; empties `wave`. Returns False when a block was unreadable (it and
+        the rest of the wave are dropped)."""
+        started = time.perf_counter()
+        blocks: list[KVBlock] = []
+        for lifted in wave:
+            try:
+                blocks.append(self._to_device(lifted.stored))
+            except (KeyError, ValueError, AttributeError) as e:
+                log.warning("dropping an unreadable cached block %s: %s", lifted.stored.key.hex()[:16], e)
+                break
+        mx.eval([(b.keys, b.values) for b in blocks])
+        moved_s = time.perf_counter() - started
+        total = sum(b.nbytes for b in blocks) or 1
+        by_tier: dict[str, list[float]] = {}
+        quantized = [0, 0.0]
+        for lifted, block in zip(wave, blocks):
+            share = moved_s * block.nbytes / total
+            seen = by_tier.setdefault(lifted.measured, [0, 0.0])
+            seen[0] += block.nbytes
+            seen[1] += lifted.read_s + share
+            if lifted.stored.meta.get("bits", 16) != 16:
+                quantized[0] += block.nbytes
+                quantized[1] += share
+            fetched.append(Fetched(block, lifted.served))
+        complete = len(blocks) == len(wave)
+        lifted = None  # noqa: F841 -- with the wave, the last reference to a payload
+        wave.clear()  # the payloads go: their pinned slots are free for what memory pushes down
+        for tier, (nbytes, seconds) in by_tier.items():
+            self.rates[tier].add(nbytes, seconds)
+        self.rates[DEQUANTIZE].add(*quantized)
+        self.put_memory(*blocks)
+        return complete
 
     def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> int:
         """Reads SSD-only blocks into the host tier (no MLX work), several files at once;
@@ -245,30 +310,42 @@ class KVStore:
         return taken[0] if taken is not None else None
 
     def _to_device(self, stored: Block) -> KVBlock:
-        """Returns a bytes block as MLX arrays: read by the native kernel where it lies in
-        pinned memory, else by the generic path."""
+        """Returns a bytes block as MLX arrays, not yet evaluated (the payload must live
+        until they are): read by the native kernel where it lies in pinned memory, else by
+        the generic path."""
         payload = stored.payload
         if not (self._native_up and PinnedPool.owns(payload) and kv_move.unsupported(stored.meta) is None):
-            return from_bytes(stored)
+            return from_bytes(stored, wait=False)
         if payload.nbytes != payload_nbytes(stored.meta):
             raise ValueError(f"payload holds {payload.nbytes} bytes, its meta says {payload_nbytes(stored.meta)}")
-        keys, values = kv_move.to_block(PinnedPool.address_of(payload), stored.meta)
+        keys, values = kv_move.to_block(PinnedPool.address_of(payload), stored.meta, wait=False)
         if keys.shape[2] != len(stored.tokens) or values.shape[2] != len(stored.tokens):
             raise ValueError("payload shape does not match the block's tokens")
         return KVBlock(stored.key, stored.parent, stored.dir, stored.tokens, keys, values)
 
-    def _to_host(self, block: KVBlock, bits: int) -> Block:
-        """Returns `block` as bytes at `bits` bits in host memory: copied by the native
-        kernel into a free pinned slot, else by the generic path (the host reads what MLX
-        made, through numpy)."""
+    def _to_host(self, blocks: list[KVBlock], bits: int) -> list[Block]:
+        """Returns `blocks` as bytes at `bits` bits in host memory: copied by the native
+        kernel into free pinned slots (one wait for all), the rest by the generic path (the
+        host reads what MLX made, through numpy)."""
+        slots: dict[int, tuple[mx.array, dict, memoryview]] = {}
         if self._native_down:
-            payload, meta = pack(block.keys, block.values, bits)
-            taken = self._pool.take(payload.size, allocate=False)
-            if taken is not None:
-                kv_move.to_host([(payload, taken[1])])
-                return Block(block.key, block.parent, block.dir, block.tokens, meta, taken[0])
-        stored = to_bytes([block], bits=bits)[0]
-        return replace(stored, payload=memoryview(np.array(stored.payload)))
+            for i, block in enumerate(blocks):
+                payload, meta = pack(block.keys, block.values, bits)
+                taken = self._pool.take(payload.size, allocate=False)
+                if taken is None:
+                    break
+                slots[i] = (payload, meta, taken)
+            kv_move.to_host([(payload, taken[1]) for payload, _, taken in slots.values()])
+        rest = iter(to_bytes([b for i, b in enumerate(blocks) if i not in slots], bits=bits))
+        out = []
+        for i, block in enumerate(blocks):
+            if i in slots:
+                _, meta, taken = slots[i]
+                out.append(Block(block.key, block.parent, block.dir, block.tokens, meta, taken[0]))
+            else:
+                stored = next(rest)
+                out.append(replace(stored, payload=memoryview(np.array(stored.payload))))
+        return out
 
     def restore_s(self, tier: str, nbytes: int) -> float:
         """Returns the expected seconds to restore `nbytes` of KV (as computed) from `tier`,
@@ -306,12 +383,15 @@ class KVStore:
         self.writer.count_dropped(len(blocks) - len(fitting))
         return fitting
 
-    def put_memory(self, block: KVBlock) -> None:
-        for _, evicted in self.memory.put(block.key, block, block.nbytes):
+    def put_memory(self, *blocks: KVBlock) -> None:
+        """Puts blocks in memory; those it evicts go down to host memory together."""
+        evicted = [old for block in blocks for _, old in self.memory.put(block.key, block, block.nbytes)]
+        if evicted:
             self._demote(evicted)
 
-    def _demote(self, block: KVBlock) -> None:
-        self._put_host(self._to_host(block, self.kv_bits[HOST]))
+    def _demote(self, blocks: list[KVBlock]) -> None:
+        for stored in self._to_host(blocks, self.kv_bits[HOST]):
+            self._put_host(stored)
 
     def _put_host(self, block: Block, *, prefetched: bool = False) -> None:
         if prefetched:
@@ -379,7 +459,8 @@ class KVStore:
         # Host first, so that memory's evictions land under host's new budget.
         for _, evicted in self.host.resize(host_bytes):
             self._spill(evicted)
-        for _, evicted in self.memory.resize(memory_bytes):
+        evicted = [block for _, block in self.memory.resize(memory_bytes)]
+        if evicted:
             self._demote(evicted)
         if self.ssd is not None:
             self.ssd.resize(ssd_bytes)

@@ -13,7 +13,8 @@ Two kernels, sources in kernels/cuda/, loaded through `mx.fast.cuda_kernel`:
 
 Both take device addresses of pinned memory (kernels/pinned.py) as uint64 inputs, since
 MLX cannot wrap foreign memory in an array. Each call waits for its kernels (`mx.eval`)
-before it returns, so the host memory may be reused or freed afterwards.
+before it returns (`to_block` unless told not to), so the host memory may be reused or
+freed afterwards.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def pack_to_host(blocks: list[tuple[mx.array, mx.array]], bits: int, place) -> l
     return [(view, meta) for (view, _), (_, meta) in zip(places, packed)]
 
 
-def to_block(address: int, meta: dict) -> tuple[mx.array, mx.array]:
+def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, mx.array]:
     """Returns (keys, values) of the payload at device `address` (pinned host memory, 16-byte
-    aligned) described by `meta`, in the dtype they were computed in."""
+    aligned) described by `meta`, in the dtype they were computed in. With `wait` false they
+    are not evaluated yet: the caller evaluates them (several blocks in one wait) and keeps
+    the host memory until then."""
     kernel = _kernel("kv_to_block", ("addr", "rows"), ("out",))
     dtype = getattr(mx, meta["dtype"])
     bits = meta.get("bits", 16)
@@ -82,7 +85,8 @@ def to_block(address: int, meta: dict) -> tuple[mx.array, mx.array]:
             template=[("T", dtype), ("D", dim), ("BITS", bits), ("GROUP", group)],
             grid=_grid(rows * dim * dtype.size // 16), threadgroup=(THREADS, 1, 1),
             output_shapes=[tuple(shape)], output_dtypes=[dtype])[0])
-    mx.eval(out)
+    if wait:
+        mx.eval(out)
     return out[0], out[1]
 
 

@@ -41,7 +41,8 @@ def same_kv(a: KVBlock, b: KVBlock) -> bool:
 
 
 def fetch(store: KVStore, block: KVBlock, dir: str = DIR) -> Fetched | None:
-    return store.fetch(block.key, dir=dir, tokens=block.tokens)
+    fetched = store.fetch_all([(block.key, block.tokens)], dir=dir)
+    return fetched[0] if fetched else None
 
 
 def open_store(root: Path, *, memory: int = 2, host: int = 2, ssd: int = 64) -> KVStore:
@@ -183,8 +184,59 @@ def test_fetch_misses(store):
     assert fetch(store, blocks[0]) is None
     store.save(blocks)
     only_on_ssd(store)
-    assert store.fetch(blocks[0].key, dir=DIR, tokens=blocks[1].tokens) is None
+    assert store.fetch_all([(blocks[0].key, blocks[1].tokens)], dir=DIR) == []
     assert fetch(store, blocks[1], dir="other/default") is None
+
+
+def test_fetch_all_keeps_the_chain_s_memory_blocks_while_promoting_the_rest(store):
+    """A restore that promotes a chain's host blocks evicts other blocks, not the chain's
+    own blocks in memory (which would go down and straight back up)."""
+    chain = make_blocks(2)
+    other = make_blocks(1, first_token=100)
+    store.save(chain)
+    store.save(other)  # memory (2 blocks): chain[1], other; chain[0] down to host
+    assert [store.tier_of(b.key, DIR) for b in (*chain, *other)] == [HOST, MEMORY, MEMORY]
+    got = store.fetch_all([(b.key, b.tokens) for b in chain], dir=DIR)
+    assert [f.tier for f in got] == [HOST, MEMORY]
+    assert all(same_kv(f.block, b) for f, b in zip(got, chain))
+    assert [store.tier_of(b.key, DIR) for b in (*chain, *other)] == [MEMORY, MEMORY, HOST]
+
+
+def test_fetch_all_returns_the_chain_in_order_over_waves(tmp_path, monkeypatch):
+    monkeypatch.setattr("appliance.cache.store.RESTORE_WAVE_BYTES", 2 * BLOCK_BYTES)
+    store = open_store(tmp_path / "kv", memory=8, host=8)
+    try:
+        blocks = make_blocks(5)
+        store.save(blocks)
+        only_on_ssd(store)
+        store.put_memory(blocks[2])  # a memory hit between waves
+        got = store.fetch_all([(b.key, b.tokens) for b in blocks], dir=DIR)
+        assert [f.tier for f in got] == [SSD, SSD, MEMORY, SSD, SSD]
+        assert all(same_kv(f.block, b) for f, b in zip(got, blocks))
+        assert all(store.tier_of(b.key, DIR) == MEMORY for b in blocks)
+    finally:
+        store.close()
+
+
+def test_fetch_all_stops_at_the_first_lost_block(store):
+    blocks = make_blocks(3)
+    store.save(blocks)
+    only_on_ssd(store)
+    wanted = [(blocks[0].key, blocks[0].tokens), (blocks[1].key, blocks[2].tokens), (blocks[2].key, blocks[2].tokens)]
+    got = store.fetch_all(wanted, dir=DIR)
+    assert [f.block.key for f in got] == [blocks[0].key]
+
+
+def test_fetch_all_stops_at_an_unreadable_block_and_keeps_those_before_it(store):
+    blocks = make_blocks(2)
+    store.save(blocks)
+    only_on_ssd(store)
+    store.prefetch([(b.key, b.tokens) for b in blocks], dir=DIR)
+    bad = store.host.pop(blocks[1].key)
+    store.host.put(bad.key, Block(bad.key, bad.parent, bad.dir, bad.tokens, bad.meta, bad.payload[:-4]),
+                   bad.payload_nbytes)
+    got = store.fetch_all([(b.key, b.tokens) for b in blocks], dir=DIR)
+    assert [f.block.key for f in got] == [blocks[0].key] and same_kv(got[0].block, blocks[0])
 
 
 def test_prefetched_block_reports_ssd_as_its_origin(store):

@@ -98,12 +98,40 @@ def test_the_store_demotes_and_restores_through_pinned_memory(tmp_path):
         store.save([second])  # evicts `first` to host
         assert store.tier_of(first.key, "m") == HOST
         assert PinnedPool.owns(store.host.get(first.key).payload)
-        fetched = store.fetch(first.key, dir="m", tokens=first.tokens)
+        (fetched,) = store.fetch_all([(first.key, first.tokens)], dir="m")
         assert fetched.tier == HOST
         assert mx.array_equal(fetched.block.keys, keys).item()
         assert store.flush(30)
         ssd_block = store._read_ssd(second.key, "m", second.tokens)  # written through, read back pinned
         assert PinnedPool.owns(ssd_block.payload)
         assert store.ssd.contains(second.key, dir="m") and store.tier_of(second.key, "m") != SSD
+    finally:
+        store.close()
+
+
+def test_a_restore_frees_its_pinned_slot_for_the_block_it_pushes_down(tmp_path):
+    """With one pinned slot, restoring a host block evicts another from memory, and that
+    one goes down into the slot the restore has just freed, not by the generic path."""
+    from appliance.cache.kv import KVBlock
+    from appliance.cache.store import HOST, MEMORY, KVStore
+    from appliance.kernels.pinned import SLOT_ALIGN, PinnedPool
+
+    keys, values = block(5)
+    nbytes = keys.nbytes + values.nbytes
+    store = KVStore(root=tmp_path, memory_bytes=nbytes, host_bytes=SLOT_ALIGN, ssd_bytes=16 * nbytes)
+    store.use_native(quantize=True, dequantize=True)
+    store.expect_blocks(nbytes)
+    while store.wants_pinned():
+        store.pin_one()
+    assert store.stats()[HOST]["pinned_bytes"] == SLOT_ALIGN  # one slot
+    try:
+        first = KVBlock(b"a" * 32, b"r" * 32, "m", tuple(range(37)), keys, values)
+        second = KVBlock(b"c" * 32, b"r" * 32, "m", tuple(range(37)), values, keys)
+        store.save([first])
+        store.save([second])
+        (fetched,) = store.fetch_all([(first.key, first.tokens)], dir="m")
+        assert fetched.tier == HOST and mx.array_equal(fetched.block.keys, keys).item()
+        assert store.tier_of(first.key, "m") == MEMORY and store.tier_of(second.key, "m") == HOST
+        assert PinnedPool.owns(store.host.get(second.key).payload)
     finally:
         store.close()
