@@ -21,6 +21,8 @@ from appliance.cache.keys import KeySpace, KVLayout
 from appliance.engine.mlxlm_seam import BatchCache, set_size
 from appliance.kernels.kv_quant import pack, unpack
 
+CUT_RUN_BLOCKS = 8  # blocks cut_blocks stacks at once: its scratch copy is this many blocks
+
 
 @dataclass(frozen=True)
 class KVBlock:
@@ -68,22 +70,42 @@ def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip
     """Returns evaluated copies of the blocks of `tokens` held in `cache` (batch of one).
 
     Full blocks and the final partial block are cut from `skip_tokens` on; blocks whose
-    key `is_known` are not copied again.
+    key `is_known` are not copied again. Runs of up to CUT_RUN_BLOCKS adjacent blocks are
+    stacked across layers in one copy and then split, one copy per block: on a GPU each
+    copy is a kernel launch, and per block and layer a 25K-token 8B prompt took 3,136 of
+    them (29-31 ms on an H200, between decode steps).
     """
     b = space.block_tokens
     parent = space.root
-    blocks = []
+    wanted: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []  # start, key, parent, tokens
     for start in range(0, len(tokens), b):
         piece = tokens[start:start + b]
         key = space.block_key(parent, piece)
         if start + len(piece) > skip_tokens and not is_known(key):
-            end = start + len(piece)
-            keys = mx.stack([c.keys[0, :, start:end, :] for c in cache])
-            values = mx.stack([c.values[0, :, start:end, :] for c in cache])
-            blocks.append(KVBlock(key, parent, space.dir, tuple(piece), keys, values))
+            wanted.append((start, key, parent, tuple(piece)))
         parent = key
+    blocks: list[KVBlock] = []
+    for run in _runs(wanted, b):
+        first, end = run[0][0], run[-1][0] + len(run[-1][3])
+        keys = mx.stack([c.keys[0, :, first:end, :] for c in cache])
+        values = mx.stack([c.values[0, :, first:end, :] for c in cache])
+        for start, key, parent, piece in run:
+            at = slice(start - first, start - first + len(piece))
+            blocks.append(KVBlock(key, parent, space.dir, piece, mx.contiguous(keys[:, :, at]),
+                                  mx.contiguous(values[:, :, at])))
     mx.eval([(blk.keys, blk.values) for blk in blocks])
     return blocks
+
+
+def _runs(wanted: list[tuple], block_tokens: int) -> list[list[tuple]]:
+    """Splits blocks (start first) into runs of adjacent ones, at most CUT_RUN_BLOCKS each."""
+    runs: list[list[tuple]] = []
+    for item in wanted:
+        if runs and len(runs[-1]) < CUT_RUN_BLOCKS and runs[-1][-1][0] + block_tokens == item[0]:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCache]:
@@ -136,13 +158,14 @@ def to_bytes(blocks: list[KVBlock], *, bits: int = 16) -> list[Block]:
             for b, (payload, meta) in zip(blocks, packed)]
 
 
-def from_bytes(block: Block) -> KVBlock:
+def from_bytes(block: Block, *, wait: bool = True) -> KVBlock:
     """Returns the block as MLX arrays in the dtype they were computed in (dequantized when
-    stored at 8 or 4 bits); raises ValueError when its payload does not fit its meta
+    stored at 8 or 4 bits; evaluated unless `wait` is false); raises ValueError when its payload does not fit its meta
     (KeyError, AttributeError when the meta is not one `to_bytes` wrote)."""
     raw = mx.array(np.frombuffer(block.payload, dtype=np.uint8))  # a copy: the buffer may be reused
     keys, values = unpack(raw, block.meta)
     if keys.shape[2] != len(block.tokens) or values.shape[2] != len(block.tokens):
         raise ValueError("payload shape does not match the block's tokens")
-    mx.eval(keys, values)
+    if wait:
+        mx.eval(keys, values)
     return KVBlock(block.key, block.parent, block.dir, block.tokens, keys, values)

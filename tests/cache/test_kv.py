@@ -105,6 +105,23 @@ def test_cut_blocks_skips_blocks_that_end_within_skip_tokens(skip_tokens, starts
         np.testing.assert_array_equal(np.array(blk.keys), np.array(by_key[blk.key].keys))
 
 
+def test_cut_blocks_over_runs_longer_than_one_stack_and_around_known_blocks(monkeypatch):
+    """Blocks are cut in runs of adjacent ones (CUT_RUN_BLOCKS at most); each comes out the
+    same as a copy of its own slice."""
+    monkeypatch.setattr("appliance.cache.kv.CUT_RUN_BLOCKS", 2)
+    tokens = list(range(200, 227))  # 6 full blocks and a 3-token tail
+    cache = grown_cache(len(tokens))
+    known = set(SPACE.chain(tokens)[2:3])
+    blocks = cut_blocks(cache, tokens, SPACE, skip_tokens=0, is_known=known.__contains__)
+    assert [tokens.index(b.tokens[0]) for b in blocks] == [0, 4, 12, 16, 20, 24]
+    for blk in blocks:
+        start = tokens.index(blk.tokens[0])
+        want_k, want_v = snapshot(cache, start, start + blk.num_tokens)
+        np.testing.assert_array_equal(np.array(blk.keys), want_k)
+        np.testing.assert_array_equal(np.array(blk.values), want_v)
+        assert blk.keys.shape[2] == blk.values.shape[2] == blk.num_tokens
+
+
 def test_cut_blocks_does_not_copy_known_blocks_but_keeps_chaining():
     cache = fake_cache(len(TOKENS))
     full = SPACE.chain(TOKENS)
