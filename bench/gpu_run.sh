@@ -55,10 +55,11 @@ case ",$STEPS," in *,restore,*)
 case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
   python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
     --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
-case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate
+case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
+  # short requests during a 25K-token prefill
   [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
-  python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch --only a \
-    --out "$OUT/throughput.json" 2>&1 | tail -30 ;; esac
+  python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch \
+    --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
   [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
   python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \

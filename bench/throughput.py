@@ -7,7 +7,8 @@ pooled: one round of a few waves is too short to rise above a small machine's ±
 With --mlx-lm-batch, mlx_lm's own `batch_generate` (in this process, after the servers
 have stopped) runs the same prompts and max_tokens per N as a third baseline.
 Scenario B: short streaming requests alone, and again while one ~4,000-token prompt is
-being prefilled; short-request TTFT p50/p99 and how much p99 grows.
+being prefilled (with --model: a 25,000-token one); short-request TTFT p50/p99 and how
+much p99 grows.
 
 Both servers serve the same model (by default the converted float32 test model; with
 --model a model directory such as bench/gpu_model.py makes, which omlx loads in its own
@@ -73,6 +74,7 @@ LONG_TIMEOUT_S = 600.0  # the ~4,000-token prefill on a busy 2-core CPU machine
 RETRIES = 3
 QUIET_WAIT_S = 20.0  # at most this long waiting for other processes to leave the CPU
 GPU_CONCURRENCY = (1, 8, 32, 64)  # scenario A's N with --model (the GPU issue's)
+GPU_LONG_PROMPT_TOKENS = 25_000  # scenario B's long prompt with --model: a "32K" context
 
 
 @dataclass(frozen=True)
@@ -577,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.model and not args.quick:
-        plan = replace(plan, concurrency=GPU_CONCURRENCY)
+        plan = replace(plan, concurrency=GPU_CONCURRENCY, long_prompt_tokens=GPU_LONG_PROMPT_TOKENS)
     if args.n:
         plan = replace(plan, concurrency=tuple(args.n))
     mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
