@@ -95,6 +95,7 @@ class ModelCache:
         self._lock = threading.Lock()
         self.counters: Counter = Counter()
         self.last_decision: dict | None = None  # restore or recompute: the inputs and the choice
+        store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
         if store.kv_bits[HOST] == store.kv_bits[SSD] == 16:  # full blocks' payloads: pinned ahead on CUDA
             store.expect_blocks(layout.bytes_per_token * block_tokens)
 

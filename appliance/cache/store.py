@@ -119,6 +119,7 @@ class KVStore:
         self._native_down = self._native_up = False  # use_native
         self._pool: PinnedPool | None = None
         self._block_nbytes: set[int] = set()  # expect_blocks: the sizes to pin slots for ahead
+        self._layouts: set[tuple[str, int, int]] = set()  # expect_layout: (dtype, k_dim, v_dim)
         self._pinning_failed = False
         self._lock = threading.Lock()
         # Block files are read in parallel: a read's cost here is as much fresh memory
@@ -427,6 +428,32 @@ class KVStore:
         self._native_down, self._native_up = quantize, dequantize
         if self.writer is not None:
             self.writer.max_pending_bytes = NATIVE_WRITER_PENDING_BYTES if quantize else WRITER_PENDING_BYTES
+        self._warm()
+
+    def expect_layout(self, *, dtype: str, k_dim: int, v_dim: int) -> None:
+        """Says a model's KV has this dtype and these head dimensions: with the native
+        kernels, they are compiled for it ahead of its first restore (`_warm`)."""
+        self._layouts.add((dtype, k_dim, v_dim))
+        self._warm()
+
+    def _warm(self) -> None:
+        """Compiles the native kernels for every expected layout at every precision in use,
+        on a thread and stream of their own (MLX compiles a CUDA kernel per template instance
+        on its first call: ~2.2 s of a model's first restore on an H200 otherwise)."""
+        if not (self._native_down or self._native_up) or not self._layouts:
+            return
+        bits = tuple(sorted({16, *self.kv_bits.values()}, reverse=True))
+        layouts = sorted(self._layouts)
+
+        def run() -> None:
+            with mx.stream(mx.new_stream(mx.gpu)):
+                for dtype, k_dim, v_dim in layouts:
+                    failure = kv_move.warm(dtype=dtype, k_dim=k_dim, v_dim=v_dim, bits=bits)
+                    if failure is not None:
+                        log.warning("native KV kernels for %s KV (head dims %d, %d) failed: %s",
+                                    dtype, k_dim, v_dim, failure)
+
+        threading.Thread(target=run, name="kv-kernel-warm", daemon=True).start()
 
     def expect_blocks(self, nbytes: int) -> None:
         """Says a model's full blocks hold `nbytes` of KV: with the native kernels, pinned
@@ -453,6 +480,7 @@ class KVStore:
         """Sets the precision of blocks that go down a tier from now on (those stored stay
         as they are and still decode: their meta says their precision)."""
         self.kv_bits = {HOST: host_kv_bits, SSD: ssd_kv_bits}
+        self._warm()
 
     def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:
         """Applies new budgets; lower ones evict at once (memory demotes to host)."""

@@ -19,6 +19,7 @@ freed afterwards.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -103,9 +104,11 @@ def unsupported(meta: dict) -> str | None:
     return None
 
 
-def self_test() -> str | None:
-    """Runs both kernels on a small random block at 16, 8 and 4 bits and compares them with
-    the generic path; returns None when they agree, else what went wrong."""
+def self_test(*, dtype: str = "bfloat16", k_dim: int = 64, v_dim: int = 64,
+              bits: tuple[int, ...] = (16, 8, 4)) -> str | None:
+    """Runs both kernels on a small random block of keys and values with these head
+    dimensions, at each of `bits`, and compares them with the generic path; returns None
+    when they agree, else what went wrong. (Compiling them is most of its time: see `warm`.)"""
     import numpy as np
 
     from appliance.kernels.kv_quant import unpack
@@ -113,25 +116,46 @@ def self_test() -> str | None:
 
     try:
         mx.random.seed(0)
-        keys = mx.random.normal((2, 2, 37, 64)).astype(mx.bfloat16)
-        values = mx.random.normal((2, 2, 37, 64)).astype(mx.bfloat16)
-        for bits in (16, 8, 4):
-            payload, meta = pack(keys, values, bits)
+        keys = mx.random.normal((2, 2, 37, k_dim)).astype(getattr(mx, dtype))
+        values = mx.random.normal((2, 2, 37, v_dim)).astype(getattr(mx, dtype))
+        for b in bits:
+            payload, meta = pack(keys, values, b)
             buf = PinnedBuffer(-(-payload_nbytes(meta) // 4096) * 4096)
             try:
                 to_host([(payload, buf.device_address)])
                 host = np.frombuffer(buf.view, dtype=np.uint8)[:payload.size]
                 if not np.array_equal(host, np.array(payload)):
-                    return f"to_host at {bits} bits copied other bytes"
+                    return f"to_host at {b} bits copied other bytes"
                 k, v = to_block(buf.device_address, meta)
                 gk, gv = unpack(payload, meta)
                 for got, want in ((k, gk), (v, gv)):
                     err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
                     scale = mx.max(mx.abs(want.astype(mx.float32))).item()
-                    if err > (0 if bits == 16 else scale / 64):
-                        return f"to_block at {bits} bits differs from the generic path by {err}"
+                    if err > (0 if b == 16 else scale / 64):
+                        return f"to_block at {b} bits differs from the generic path by {err}"
             finally:
                 buf.free()
     except Exception as e:  # a compile or launch failure: the generic path serves
         return f"{type(e).__name__}: {e}"
     return None
+
+
+_warmed: set[tuple] = set()
+_warming = threading.Lock()  # one compile at a time: a second caller finds the work done
+
+
+def warm(*, dtype: str, k_dim: int, v_dim: int, bits: tuple[int, ...]) -> str | None:
+    """Compiles (and checks, as `self_test` does) the kernels for blocks of this dtype and
+    these head dimensions at each of `bits`, once per process; returns what went wrong, or
+    None. MLX compiles a CUDA kernel per template instance on its first call, and
+    `to_block`'s depend on the dtype, head dimension and bits: left to a model's first
+    restore, the compile added ~2.2 s to it on an H200. Run it off the engine thread, on a
+    stream of its own."""
+    with _warming:
+        todo = tuple(b for b in bits if (dtype, k_dim, v_dim, b) not in _warmed)
+        if not todo:
+            return None
+        failure = self_test(dtype=dtype, k_dim=k_dim, v_dim=v_dim, bits=todo)
+        if failure is None:
+            _warmed.update((dtype, k_dim, v_dim, b) for b in todo)
+        return failure

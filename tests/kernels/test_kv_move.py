@@ -135,3 +135,11 @@ def test_a_restore_frees_its_pinned_slot_for_the_block_it_pushes_down(tmp_path):
         assert PinnedPool.owns(store.host.get(second.key).payload)
     finally:
         store.close()
+
+
+def test_warm_compiles_a_layout_once_and_checks_it():
+    from appliance.kernels import kv_move
+
+    assert kv_move.warm(dtype="float16", k_dim=128, v_dim=96, bits=(16, 8)) is None
+    assert {("float16", 128, 96, 16), ("float16", 128, 96, 8)} <= kv_move._warmed
+    assert kv_move.warm(dtype="float16", k_dim=128, v_dim=96, bits=(8,)) is None  # nothing left to do
