@@ -261,13 +261,18 @@ class KVStore:
         mx.eval([(b.keys, b.values) for b in blocks])
         moved_s = time.perf_counter() - started
         total = sum(b.nbytes for b in blocks) or 1
-        by_tier: dict[str, list[float]] = {}
+        # An SSD block's read counts to the SSD's rate, every block's move up to the host
+        # tier's: an SSD restore costs both (`restore_s`).
+        by_tier: dict[str, list[float]] = {HOST: [0, 0.0]}
         quantized = [0, 0.0]
         for lifted, block in zip(wave, blocks):
             share = moved_s * block.nbytes / total
-            seen = by_tier.setdefault(lifted.measured, [0, 0.0])
-            seen[0] += block.nbytes
-            seen[1] += lifted.read_s + share
+            by_tier[HOST][0] += block.nbytes
+            by_tier[HOST][1] += share + (lifted.read_s if lifted.measured == HOST else 0.0)
+            if lifted.measured == SSD:
+                read = by_tier.setdefault(SSD, [0, 0.0])
+                read[0] += block.nbytes
+                read[1] += lifted.read_s
             if lifted.stored.meta.get("bits", 16) != 16:
                 quantized[0] += block.nbytes
                 quantized[1] += share
@@ -350,11 +355,15 @@ class KVStore:
 
     def restore_s(self, tier: str, nbytes: int) -> float:
         """Returns the expected seconds to restore `nbytes` of KV (as computed) from `tier`,
-        from its measured rate; an SSD block at fewer bits is dequantized on top of that
-        (a host block's measured rate includes it already)."""
+        from the measured rates: an SSD block is read into host memory and then moved up
+        from there as a host block is (on a GPU without a free pinned slot, the generic
+        path's 2.5 GB/s), and one at fewer bits is dequantized on top of that (a host
+        block's measured rate includes it already)."""
         seconds = nbytes / self.rates[tier].bytes_per_s
-        if tier == SSD and self.kv_bits[SSD] != 16:
-            seconds += nbytes / self.rates[DEQUANTIZE].bytes_per_s
+        if tier == SSD:
+            seconds += nbytes / self.rates[HOST].bytes_per_s
+            if self.kv_bits[SSD] != 16:
+                seconds += nbytes / self.rates[DEQUANTIZE].bytes_per_s
         return seconds
 
     # --- store -----------------------------------------------------------------------

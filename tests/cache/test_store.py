@@ -218,6 +218,21 @@ def test_fetch_all_returns_the_chain_in_order_over_waves(tmp_path, monkeypatch):
         store.close()
 
 
+def test_a_restore_measures_the_ssd_read_and_the_move_up_apart(tmp_path):
+    """Blocks read from the SSD count their read to the SSD's rate and their move to the
+    device to the host tier's, so `restore_s` can add the two."""
+    store = open_store(tmp_path / "kv", memory=2048, host=2048)
+    try:
+        blocks = make_blocks(1100)  # > 1 MiB, the least a rate counts
+        store.save(blocks)
+        only_on_ssd(store)
+        assert store.rates[SSD].value is None and store.rates[HOST].value is None
+        assert len(store.fetch_all([(b.key, b.tokens) for b in blocks], dir=DIR)) == len(blocks)
+        assert store.rates[SSD].value is not None and store.rates[HOST].value is not None
+    finally:
+        store.close()
+
+
 def test_fetch_all_stops_at_the_first_lost_block(store):
     blocks = make_blocks(3)
     store.save(blocks)
@@ -515,13 +530,14 @@ def test_a_block_spilled_from_host_keeps_the_hosts_precision(tmp_path):
         store.close()
 
 
-def test_the_restore_estimate_counts_dequantizing_ssd_blocks(tmp_path):
+def test_the_restore_estimate_counts_the_move_up_and_dequantizing_ssd_blocks(tmp_path):
     store = KVStore(root=tmp_path / "kv", memory_bytes=MIB, host_bytes=MIB, ssd_bytes=MIB, ssd_kv_bits=8,
                     host_kv_bits=8)
     try:
-        store.rates[SSD].value, store.rates["dequantize"].value = 1e9, 4e9
-        assert store.restore_s(SSD, 10**9) == pytest.approx(1.25)
+        store.rates[SSD].value, store.rates[HOST].value, store.rates["dequantize"].value = 1e9, 10e9, 4e9
+        assert store.restore_s(SSD, 10**9) == pytest.approx(1.35)  # read, move up, dequantize
+        assert store.restore_s(HOST, 10**9) == pytest.approx(0.1)
         store.set_kv_bits(host_kv_bits=16, ssd_kv_bits=16)
-        assert store.restore_s(SSD, 10**9) == pytest.approx(1.0)
+        assert store.restore_s(SSD, 10**9) == pytest.approx(1.1)
     finally:
         store.close()
