@@ -39,8 +39,9 @@ from appliance.cache.lru import LruTier
 from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
 from appliance.kernels import kv_move
+from appliance.kernels.cuda_driver import CudaError
 from appliance.kernels.kv_quant import computed_nbytes, pack, payload_nbytes, stored_fraction
-from appliance.kernels.pinned import PinnedError, PinnedPool
+from appliance.kernels.pinned import PinnedPool
 from appliance.moving_average import moving_average
 
 log = logging.getLogger("omlx.cache")
@@ -481,7 +482,7 @@ class KVStore:
             for nbytes in list(self._block_nbytes):
                 if self._pool is not None and self._pool.reserve_one(nbytes):
                     return
-        except PinnedError as e:  # out of pinned memory: the slots made so far serve
+        except CudaError as e:  # out of pinned memory: the slots made so far serve
             self._pinning_failed = True
             log.warning("pinning host memory for the KV cache stopped: %s", e)
 

@@ -16,54 +16,9 @@ import ctypes
 import threading
 from functools import cache
 
+from appliance.kernels.cuda_driver import CudaError, CurrentContext, check, driver
+
 _PORTABLE, _DEVICEMAP = 0x01, 0x02
-
-
-class PinnedError(RuntimeError):
-    """The driver refused (no driver, no device, out of pinned memory)."""
-
-
-@cache
-def _driver() -> ctypes.CDLL:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise PinnedError(f"no CUDA driver library: {e}") from None
-    _check(lib.cuInit(0), "cuInit")
-    return lib
-
-
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise PinnedError(f"{what} failed with CUDA driver error {code}")
-
-
-_context_lock = threading.Lock()
-_context: ctypes.c_void_p | None = None
-
-
-def _primary_context() -> ctypes.c_void_p:
-    """Returns device 0's primary context (the one MLX's runtime calls use), retained once."""
-    global _context
-    with _context_lock:
-        if _context is None:
-            lib = _driver()
-            device = ctypes.c_int()
-            _check(lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
-            ctx = ctypes.c_void_p()
-            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
-            _context = ctx
-        return _context
-
-
-class _Current:
-    """Makes the primary context current on this thread for the duration (driver calls need one)."""
-
-    def __enter__(self):
-        _check(_driver().cuCtxPushCurrent_v2(_primary_context()), "cuCtxPushCurrent")
-
-    def __exit__(self, *exc):
-        _driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 class PinnedBuffer:
@@ -71,17 +26,17 @@ class PinnedBuffer:
     Freed by `free()` or when garbage collected."""
 
     def __init__(self, nbytes: int):
-        lib = _driver()
+        lib = driver()
         ptr = ctypes.c_void_p()
-        with _Current():
-            _check(lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), _PORTABLE | _DEVICEMAP),
+        with CurrentContext():
+            check(lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), _PORTABLE | _DEVICEMAP),
                    f"cuMemHostAlloc of {nbytes} bytes")
             dptr = ctypes.c_uint64()
             code = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0)
         if code != 0:
-            with _Current():
+            with CurrentContext():
                 lib.cuMemFreeHost(ptr)
-            _check(code, "cuMemHostGetDevicePointer")
+            check(code, "cuMemHostGetDevicePointer")
         self.nbytes = nbytes
         self.host_address: int = ptr.value
         self.device_address: int = dptr.value
@@ -89,8 +44,8 @@ class PinnedBuffer:
 
     def free(self) -> None:
         if self.host_address:
-            with _Current():
-                _driver().cuMemFreeHost(ctypes.c_void_p(self.host_address))
+            with CurrentContext():
+                driver().cuMemFreeHost(ctypes.c_void_p(self.host_address))
             self.host_address = 0
 
     def __del__(self):
@@ -104,7 +59,7 @@ def available() -> str | None:
     """Returns None when pinned memory works here, else why not."""
     try:
         PinnedBuffer(1 << 12).free()
-    except PinnedError as e:
+    except CudaError as e:
         return str(e)
     return None
 

@@ -30,15 +30,37 @@ def available_bytes() -> int | None:
 
 def free_bytes() -> int | None:
     """Returns what MLX may still allocate: on a GPU, its memory limit (set from the
-    device's memory, which on CUDA is not the host's) less what it holds; else the
+    device's memory, which on CUDA is not the host's) less what it holds, and on CUDA no
+    more than the device has free (`cuda_free_bytes`: other processes count); else the
     memory the OS has available."""
     if device_kind() == "gpu":
         import mlx.core as mx
 
         device = device_memory_bytes()
         limit = min(mx.get_memory_limit() or device or 0, device or mx.get_memory_limit())
-        return max(limit - mx.get_active_memory(), 0) if limit else None
+        if not limit:
+            return None
+        free = max(limit - mx.get_active_memory(), 0)
+        cuda = cuda_free_bytes()
+        return free if cuda is None else min(free, cuda)
     return available_bytes()
+
+
+def cuda_free_bytes() -> int | None:
+    """Returns what MLX could still get on a CUDA device: the device's free memory as the
+    driver sees it (another process's share taken: on an H200 a leftover server holding
+    37 GB made omlx's prefills run out of memory) plus MLX's own cache; None elsewhere."""
+    import mlx.core as mx
+
+    from appliance.kernels.cuda_driver import CudaError, device_memory
+
+    if not mx.cuda.is_available():
+        return None
+    try:
+        free, _ = device_memory()
+    except CudaError:
+        return None
+    return free + mx.get_cache_memory()
 
 
 def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:
