@@ -1,0 +1,124 @@
+"""Plots for BENCHMARKS.md from benchmark results (JSON), as PNG files.
+
+    .venv/bin/pip install -e '.[bench]'   # once: matplotlib, which omlx itself does not need
+    .venv/bin/python bench/plot.py [RESULTS_DIR] [--out DIR]
+
+RESULTS_DIR (default bench/results/h200) holds what the GPU runs wrote:
+restore-8b.json and restore-70b-4bit.json (bench/restore.py --host), host_path.json
+(bench/host_path.py), throughput.json (bench/throughput.py --mlx-lm-batch). Each plot is
+made from the files present; the PNGs go to docs/bench/ (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def tier_ttfts(result: dict) -> dict[str, float | None]:
+    """Returns client TTFT per path of one size of a bench/restore.py --host result."""
+    size = result["sizes"][0]
+    host = [s["timing"]["ttft_s"] for s in size["host"] if s["name"] == "host: repeat A"]
+    memory = [s["timing"]["ttft_s"] for s in size["memory"]]
+    return {
+        "cold": size["cold"]["timing"]["ttft_s"],
+        "memory hit": statistics.median(memory) if memory else None,
+        "host hit": host[0] if host else None,
+        "SSD after restart": size["ssd_runs"][0]["timing"]["ttft_s"] if size["ssd_runs"] else None,
+    }
+
+
+def plot_tiers(results: dict[str, dict], out: Path, plt) -> Path:
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4))
+    axes = axes if len(results) > 1 else [axes]
+    for ax, (title, result) in zip(axes, results.items()):
+        ttfts = {k: v for k, v in tier_ttfts(result).items() if v is not None}
+        bars = ax.bar(list(ttfts), list(ttfts.values()), color=["#999999", "#2a7", "#37c", "#c73"][:len(ttfts)])
+        ax.bar_label(bars, fmt="%.2f s")
+        ax.set_title(title)
+        ax.set_ylabel("TTFT at the client (s)")
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.suptitle("omlx on an H200: time to first token by where the prompt's KV comes from")
+    fig.tight_layout()
+    path = out / "h200-tiers.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_host_path(result: dict, out: Path, plt) -> Path:
+    paths = {name: p["gbps"] for name, p in result["paths"].items()}
+    fig, ax = plt.subplots(figsize=(9, 5))
+    names = list(paths)[::-1]
+    bars = ax.barh(names, [paths[n] for n in names], color="#37c")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_xscale("log")
+    ax.set_xlabel("GB/s of KV (log scale)")
+    ax.set_title(f"Moving {result['kv_gb']} GB of KV ({result['tokens']} tokens, 8B shape) on an H200")
+    fig.tight_layout()
+    path = out / "h200-host-path.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_throughput(result: dict, out: Path, plt) -> Path:
+    pooled: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    for r in result["scenario_a"]:
+        pooled[r["server"]][r["concurrency"]][0] += r["completion_tokens"]
+        pooled[r["server"]][r["concurrency"]][1] += r["wall_s"]
+    for r in result.get("scenario_a_mlx_lm_batch", []):
+        pooled["mlx-lm batch_generate (in process)"][r["concurrency"]][0] += r["completion_tokens"]
+        pooled["mlx-lm batch_generate (in process)"][r["concurrency"]][1] += r["wall_s"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for server, by_n in pooled.items():
+        ns = sorted(by_n)
+        ax.plot(ns, [by_n[n][0] / by_n[n][1] for n in ns], marker="o",
+                label={"mlx_lm": "mlx_lm.server"}.get(server, server))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams (N)")
+    ax.set_ylabel("output tokens/s (all requests)")
+    ax.set_title("Throughput on an H200, 8B shape, 64-token completions")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "h200-throughput.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="?", default=REPO / "bench" / "results" / "h200")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    made = []
+    tiers = {title: r for title, name in (("8B bf16, 25K-token prompt", "restore-8b.json"),
+                                          ("70B 4-bit, 32K-token prompt", "restore-70b-4bit.json"))
+             if (r := load(args.results / name)) is not None}
+    if tiers:
+        made.append(plot_tiers(tiers, args.out, plt))
+    if (host := load(args.results / "host_path.json")) is not None:
+        made.append(plot_host_path(host, args.out, plt))
+    if (throughput := load(args.results / "throughput.json")) is not None:
+        made.append(plot_throughput(throughput, args.out, plt))
+    for path in made:
+        print(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
