@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -88,6 +90,9 @@ class Appliance:
         self.loaded = threading.Event()  # the first load of every model is over
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
         self.on_request_finished: Callable[[str, RequestStats], None] | None = None  # /metrics
+        self.device_lost: str | None = None  # why this process must restart (Engine.on_device_lost)
+        # How the process stops itself then: as a SIGTERM would, draining what it can.
+        self.stop_process: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def spec(self):
@@ -140,6 +145,7 @@ class Appliance:
             engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
             engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
+            engine.on_device_lost = functools.partial(self._device_lost, entry)
             self._attach_cache(engine, store, spec.cache, cache_dir, layout)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
@@ -183,6 +189,18 @@ class Appliance:
             self.on_request_finished(model, stats)
         except Exception:  # runs on the engine thread: a metrics bug must not fail requests
             log.exception("recording a finished request of %s failed", model)
+
+    def _device_lost(self, entry: ModelEntry, reason: str) -> None:
+        """The GPU's context is lost (a CUDA sticky error): nothing on it works again in this
+        process. The model reports failed (/health: 503) and the process stops, with a
+        status that makes its service manager start it again (`omlx serve` exits
+        EXIT_DEVICE_LOST); the KV cache on the SSD outlives it."""
+        entry.state, entry.error = "failed", f"the GPU was lost ({reason}); omlx is restarting"
+        if self.device_lost is None:
+            self.device_lost = reason
+            log.critical("model %s: the GPU context is lost (%s); stopping so that the service restarts",
+                         entry.spec.name, reason)
+            self.stop_process()
 
     def retire(self, entry: ModelEntry, *, drain_s: float) -> None:
         """Stops an entry's engine in the background, letting its requests finish first."""

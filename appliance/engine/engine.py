@@ -40,6 +40,17 @@ WARM_UP_TOKENS = 3
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
 RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
 GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
+# CUDA errors that leave the process's context unusable: every later call fails too, so
+# the process must restart (the others, out-of-memory included, fail one batch only).
+DEVICE_LOST_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
+                      "misaligned address", "illegal instruction", "uncorrectable ECC error",
+                      "device kernel image is invalid", "device has fallen off the bus")
+
+
+def device_lost(error: BaseException) -> bool:
+    """Returns whether `error` says the GPU context is lost for good (CUDA's sticky errors)."""
+    text = str(error)
+    return any(marker in text for marker in DEVICE_LOST_ERRORS)
 
 
 class QueueFull(Exception):
@@ -113,6 +124,7 @@ class Engine:
         self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         self.on_finished: Callable[[RequestStats], None] | None = None  # metrics, on this thread
+        self.on_device_lost: Callable[[str], None] | None = None  # the process must restart; on this thread
         self._cond = threading.Condition()
         self._commands = _Commands()
         self._num_live = 0  # submitted and not yet finished
@@ -416,12 +428,15 @@ class Engine:
                 slot.saved_tokens = end
 
     def _failed(self, error: Exception) -> None:
-        """An MLX failure fails the batch, not the engine."""
+        """An MLX failure fails the batch, not the engine; one that lost the GPU's context
+        (`device_lost`) is reported to `on_device_lost`, since nothing on it works again."""
         log.exception("engine step failed on model %s", self.loaded.name)
         for slot in list(self._running.values()):
             self._finish(slot, "error", error=f"generation failed: {error}")
         self._running.clear()
         self._scheduler = self._new_scheduler()
+        if device_lost(error) and self.on_device_lost is not None:
+            self.on_device_lost(str(error))
 
     def _deliver(self, prefilled: list[int], generated: list) -> None:
         now = time.perf_counter()

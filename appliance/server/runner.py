@@ -22,6 +22,8 @@ from appliance.spec import ServerSpec
 
 log = logging.getLogger("omlx")
 
+EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the GPU's context was lost; a restart serves again
+
 
 class Server(uvicorn.Server):
     """uvicorn, plus rebinding to a new address without dropping the old one first, and a
@@ -63,7 +65,7 @@ def warn_if_open(server: ServerSpec) -> None:
 
 
 def serve(config: LoadedConfig) -> int:
-    """Serves `config` until SIGINT/SIGTERM; returns the exit status."""
+    """Serves `config` until SIGINT/SIGTERM (or a lost GPU); returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     platform.log_blas_status()
     # The cache holds other people's prompts: everything omlx creates is this user's alone.
@@ -85,4 +87,6 @@ def serve(config: LoadedConfig) -> int:
              ", ".join(m.name for m in spec.models), spec.server.host, spec.server.port,
              config.path, spec.hash)
     server.run()
+    if appliance.device_lost is not None:
+        return EXIT_DEVICE_LOST
     return 0 if server.started else 1

@@ -175,3 +175,15 @@ def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_
     finally:
         eng.stop(drain_s=0)
         store.close()
+
+
+@pytest.mark.parametrize("message, lost", [
+    ("cudaMemcpy(data, buf.data, buf.size, kind) failed: an illegal memory access was encountered", True),
+    ("cuGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: unspecified launch failure", True),
+    ("cudaMallocAsync(&data, size, stream) failed: out of memory", False),  # fails one batch only
+    ("[reshape] Cannot reshape array of size 6 into shape (4,).", False),
+])
+def test_only_cuda_sticky_errors_count_as_a_lost_gpu(message, lost):
+    from appliance.engine.engine import device_lost
+
+    assert device_lost(RuntimeError(message)) is lost

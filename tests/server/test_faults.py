@@ -63,6 +63,16 @@ elif _DIR and _MODE == "stall_fsync":
             _num_synced[0] += 1
         return _fsync(fd)
     os.fsync = fsync
+elif _DIR and _MODE == "device_lost":  # CUDA's context lost: every engine step fails once _DIR exists
+    from appliance.engine import scheduler as _scheduler
+    _step = _scheduler.Scheduler.step
+
+    def step(self):
+        if os.path.exists(_DIR):
+            raise RuntimeError("cudaMemcpy(data, buf.data, buf.size, kind) failed: "
+                               "an illegal memory access was encountered (injected)")
+        return _step(self)
+    _scheduler.Scheduler.step = step
 elif _MODE == "small_sndbuf":
     import socket
     _listen = socket.socket.listen
@@ -166,6 +176,31 @@ def test_full_or_unwritable_cache_dir_disables_the_ssd_tier_and_serving_continue
     assert other["prompt"] > 0 and health.status_code == 200
     assert not list(kv_dir.rglob("*.kv")) and not list(kv_dir.rglob("*.tmp"))
     assert "Traceback" not in server.output()
+
+
+# --- the GPU ---------------------------------------------------------------------------
+
+
+def test_a_lost_gpu_fails_its_request_and_exits_for_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """After a CUDA sticky error nothing on the device works again: the request fails with
+    the reason, and the process stops with a status its service manager restarts it for."""
+    from appliance.server.runner import EXIT_DEVICE_LOST
+
+    port = free_port()
+    config = write_config(tmp_path / "omlx.toml", port=port)
+    trigger = tmp_path / "lose-the-gpu"
+    inject(monkeypatch, tmp_path, "device_lost", trigger)
+    server = start_server(config, port, tmp_path / "server.log")
+    try:
+        trigger.mkdir()
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        code = server.process.wait(EXIT_WAIT_S)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert r.status_code >= 500 and "illegal memory access" in r.text
+    assert code == EXIT_DEVICE_LOST, server.output()
+    assert "the GPU context is lost" in server.output()
 
 
 # --- models, port and config ---------------------------------------------------------
