@@ -236,6 +236,7 @@ class Setup:
     ssd_repeats: int = SSD_REPEATS
     host: bool = False
     ssd_kv_bits: int = 16
+    host_kv_bits: int = 16
 
 
 def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
@@ -243,7 +244,7 @@ def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
     code = setup.code
     server = omlx_server(setup.model_dir, work_dir=work_dir, max_running=4, max_queued=8, log_name=log_name,
                          code=code, profile=setup.profile, dtype=setup.dtype, memory_gb=memory_gb,
-                         ssd_kv_bits=setup.ssd_kv_bits)
+                         ssd_kv_bits=setup.ssd_kv_bits, host_kv_bits=setup.host_kv_bits)
     log(f"starting omlx ({server.log_path.name}, code {code}), cache dir {work_dir / 'cache'}")
     server.start(ready_timeout_s=600)
     result.ready_s.append(server.ready_s)
@@ -379,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ssd-repeats", type=int, default=SSD_REPEATS)
     parser.add_argument("--host", action="store_true", help="add the host-tier phase")
     parser.add_argument("--ssd-kv-bits", type=int, choices=(16, 8, 4), default=16)
+    parser.add_argument("--host-kv-bits", type=int, choices=(16, 8, 4), default=16)
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else GPU_SIZES if args.model else FULL_SIZES
     if args.sizes:
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or OUT_DIR / (f"{name}-{'-'.join(sizes)}.json" if args.sizes else f"{name}.json")
     model_dir = args.model.resolve() if args.model else converted_model_dir()
     setup = Setup(model_dir, args.code.resolve(), profile=args.profile, dtype="auto" if args.model else "float32",
-                  ssd_repeats=args.ssd_repeats, host=args.host, ssd_kv_bits=args.ssd_kv_bits)
+                  ssd_repeats=args.ssd_repeats, host=args.host, ssd_kv_bits=args.ssd_kv_bits,
+                  host_kv_bits=args.host_kv_bits)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     started = time.time()
     tokens = ChatTokens(model_dir)

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from appliance.cache.keys import DEFAULT_TENANT, KeySpace, KVLayout, key_space, model_dir
 from appliance.cache.kv import build_batch_cache, cut_blocks
 from appliance.cache.store import HOST, SSD, KVStore
+from appliance.kernels.kv_quant import block_meta, payload_nbytes
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ class ModelCache:
         self.counters: Counter = Counter()
         self.last_decision: dict | None = None  # restore or recompute: the inputs and the choice
         store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
-        if store.kv_bits[HOST] == store.kv_bits[SSD] == 16:  # full blocks' payloads: pinned ahead on CUDA
-            store.expect_blocks(layout.bytes_per_token * block_tokens)
+        for bits in {store.kv_bits[HOST], store.kv_bits[SSD]}:  # full blocks' payloads: pinned ahead on CUDA
+            k_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.k_head_dim]
+            v_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.v_head_dim]
+            store.expect_blocks(payload_nbytes(block_meta(layout.dtype, k_shape, v_shape, bits)))
 
     @property
     def dir(self) -> str:

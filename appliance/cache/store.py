@@ -466,8 +466,8 @@ class KVStore:
         threading.Thread(target=run, name="kv-kernel-warm", daemon=True).start()
 
     def expect_blocks(self, nbytes: int) -> None:
-        """Says a model's full blocks hold `nbytes` of KV: with the native kernels, pinned
-        slots for them are made ahead (`pin_one`, by idle engines)."""
+        """Says a model's full blocks take `nbytes` of payload at a tier's precision: with the
+        native kernels, pinned slots for them are made ahead (`pin_one`, by idle engines)."""
         self._block_nbytes.add(nbytes)
 
     def wants_pinned(self) -> bool:
@@ -478,9 +478,11 @@ class KVStore:
     def pin_one(self) -> None:
         """Pins one slot ahead of need (~50 ms for a 64 MiB block). Engines call it only when
         idle: pinning holds up the GPU's other work while it runs."""
-        try:
-            for nbytes in list(self._block_nbytes):
-                if self._pool is not None and self._pool.reserve_one(nbytes):
+        if self._pool is None:
+            return
+        try:  # the size with the fewest free bytes first: with 8- or 4-bit tiers, blocks come in two sizes
+            for nbytes in sorted(self._block_nbytes, key=self._pool.free_bytes_of):
+                if self._pool.reserve_one(nbytes):
                     return
         except CudaError as e:  # out of pinned memory: the slots made so far serve
             self._pinning_failed = True

@@ -78,16 +78,24 @@ def round_trip(x: mx.array, bits: int) -> mx.array:
 def pack(keys: mx.array, values: mx.array, bits: int) -> tuple[mx.array, dict]:
     """Returns (payload, meta): `keys` and `values` at `bits` bits as one uint8 array
     (not evaluated: the caller evaluates many in one wait)."""
-    meta = {"dtype": str(keys.dtype).removeprefix("mlx.core."), "k_shape": list(keys.shape),
-            "v_shape": list(values.shape), "bits": bits}
+    meta = block_meta(str(keys.dtype).removeprefix("mlx.core."), list(keys.shape), list(values.shape), bits)
     if bits == 16:
-        meta["k_nbytes"] = keys.nbytes
         parts = [keys, values]
     else:
         qk, qv = quantize(keys, bits), quantize(values, bits)
-        meta["group_sizes"] = [qk.group_size, qv.group_size]
         parts = [qk.packed, qk.scales, qk.biases, qv.packed, qv.scales, qv.biases]
     return mx.concatenate([p.view(mx.uint8).reshape(-1) for p in parts]), meta
+
+
+def block_meta(dtype: str, k_shape: list[int], v_shape: list[int], bits: int) -> dict:
+    """Returns the meta `pack` writes for keys and values of these shapes and dtype at
+    `bits` bits (with `payload_nbytes`: a block's payload size before it is packed)."""
+    meta = {"dtype": dtype, "k_shape": list(k_shape), "v_shape": list(v_shape), "bits": bits}
+    if bits == 16:
+        meta["k_nbytes"] = _nbytes(k_shape, getattr(mx, dtype))
+    else:
+        meta["group_sizes"] = [group_size_for(k_shape[-1]), group_size_for(v_shape[-1])]
+    return meta
 
 
 def computed_nbytes(meta: dict) -> int:

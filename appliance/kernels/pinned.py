@@ -144,6 +144,11 @@ class PinnedPool:
                 buffer.free()
                 self.total_bytes -= buffer.nbytes
 
+    def free_bytes_of(self, nbytes: int) -> int:
+        """Returns the bytes of free slots that hold `nbytes`."""
+        size = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+        return size * len(self._free.get(size, ()))
+
     @property
     def free_bytes(self) -> int:
         return sum(size * len(free) for size, free in list(self._free.items()))

@@ -143,3 +143,30 @@ def test_warm_compiles_a_layout_once_and_checks_it():
     assert kv_move.warm(dtype="float16", k_dim=128, v_dim=96, bits=(16, 8)) is None
     assert {("float16", 128, 96, 16), ("float16", 128, 96, 8)} <= kv_move._warmed
     assert kv_move.warm(dtype="float16", k_dim=128, v_dim=96, bits=(8,)) is None  # nothing left to do
+
+
+def test_an_8_bit_host_tier_demotes_into_slots_pinned_for_its_size(tmp_path):
+    from appliance.cache.kv import KVBlock
+    from appliance.cache.store import HOST, KVStore
+    from appliance.kernels.kv_quant import block_meta, payload_nbytes
+    from appliance.kernels.pinned import PinnedPool
+
+    keys, values = block(6)
+    nbytes = keys.nbytes + values.nbytes
+    store = KVStore(root=tmp_path, memory_bytes=nbytes, host_bytes=8 << 20, ssd_bytes=16 * nbytes, host_kv_bits=8)
+    store.use_native(quantize=True, dequantize=True)
+    store.expect_blocks(payload_nbytes(block_meta("bfloat16", list(keys.shape), list(values.shape), 8)))
+    while store.wants_pinned():
+        store.pin_one()
+    try:
+        first = KVBlock(b"a" * 32, b"r" * 32, "m", tuple(range(37)), keys, values)
+        store.save([first])
+        store.save([KVBlock(b"c" * 32, b"r" * 32, "m", tuple(range(37)), values, keys)])
+        host = store.host.get(first.key)
+        assert host.meta["bits"] == 8 and PinnedPool.owns(host.payload)
+        (fetched,) = store.fetch_all([(first.key, first.tokens)], dir="m")
+        assert fetched.tier == HOST
+        err = mx.max(mx.abs(fetched.block.keys.astype(mx.float32) - keys.astype(mx.float32))).item()
+        assert err < mx.max(mx.abs(keys.astype(mx.float32))).item() / 64
+    finally:
+        store.close()

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from appliance.kernels.kv_quant import dequantize, group_size_for, pack, payload_nbytes, quantize, unpack
+from appliance.kernels.kv_quant import block_meta, dequantize, group_size_for, pack, payload_nbytes, quantize, unpack
 
 SHAPE = (2, 3, 8, 64)  # layers, kv heads, tokens, head dim
 
@@ -77,3 +77,13 @@ def test_group_size_follows_the_head_dim():
     assert (group_size_for(64), group_size_for(128), group_size_for(96)) == (64, 64, 32)
     with pytest.raises(ValueError, match="head dimension of 40"):
         group_size_for(40)
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_a_block_s_meta_and_payload_size_are_known_before_packing(bits):
+    """What the store pins slots ahead for: the payload size of a full block at each tier's bits."""
+    keys = mx.zeros((2, 4, 32, 64), dtype=mx.bfloat16)
+    values = mx.zeros((2, 4, 32, 96), dtype=mx.bfloat16)
+    payload, meta = pack(keys, values, bits)
+    assert block_meta("bfloat16", [2, 4, 32, 64], [2, 4, 32, 96], bits) == meta
+    assert payload_nbytes(meta) == payload.size

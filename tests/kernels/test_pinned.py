@@ -67,3 +67,11 @@ def test_without_a_driver_pinned_memory_says_why():
     if why is None:
         pytest.skip("this machine has a CUDA driver: pinned memory works")
     assert "CUDA" in why or "cuda" in why
+
+
+def test_free_bytes_are_counted_per_slot_size():
+    pool = PinnedPool(keep_free_bytes=8 * SLOT_ALIGN, allocate=PlainBuffer)
+    assert pool.reserve_one(3 * SLOT_ALIGN) and pool.reserve_one(SLOT_ALIGN - 5)
+    assert pool.free_bytes_of(3 * SLOT_ALIGN - 1) == 3 * SLOT_ALIGN
+    assert pool.free_bytes_of(1) == SLOT_ALIGN and pool.free_bytes_of(2 * SLOT_ALIGN) == 0
+    assert pool.free_bytes == 4 * SLOT_ALIGN
