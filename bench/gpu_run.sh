@@ -6,10 +6,13 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,ready,restore,restore8,
-#                                  # throughput,agents,70b
+#                                  # quant,throughput,agents,70b,quant70b
 #                                  # (default: host,kernels,ready,restore)
 #
-# Everything lands in $OUT (JSON per bench, the server logs).
+# Everything lands in $OUT (JSON per bench, the server logs). Each step runs under its own
+# time limit (STEP_S, default 540 s) sent to the bench itself, so that it stops its servers;
+# servers a cut-off earlier call left behind are stopped first (they held 37 GB of the GPU
+# once). One model is kept on the 64 GiB disk at a time (the 70B one takes 36 GiB).
 set -u
 STEPS=${1:-host,kernels,ready,restore}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +24,21 @@ if [ ! -f /tmp/site/.done ]; then  # reassemble the MLX CUDA wheel and install a
     && touch /tmp/site/.done || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
+STEP_S=${STEP_S:-540}
+pkill -f "[a]ppliance serve" ; pkill -f "[m]lx_lm.server" ; sleep 1  # left by a cut-off call
+rm -rf /tmp/omlx-bench-* /tmp/omlx-restore-*  # their cache dirs
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+df -h /tmp | tail -1
+step() { timeout -k 20 "$STEP_S" "$@"; }  # SIGTERM to the bench: it stops its servers
+model() {  # model 8b | 70b: generates it unless there; removes the other
+  case $1 in
+    8b) rm -rf /tmp/llama-70b-4bit
+        [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok ;;
+    70b) rm -rf /tmp/llama-8b
+         [ -d /tmp/llama-70b-4bit ] || python3 bench/gpu_model.py --shape 70b --bits 4 --out /tmp/llama-70b-4bit \
+           --tokenizer .gpu/tok ;;
+  esac
+}
 python3 - <<'PY' | tee "$OUT/startup.txt"
 import time; t0 = time.perf_counter()
 import appliance  # first, as `omlx serve` does (it keeps transformers from importing PyTorch)
@@ -32,41 +49,50 @@ import appliance.runtime, appliance.server.runner; t4 = time.perf_counter()
 print(f"import mlx.core {t1-t0:.2f} s, first eval {t2-t1:.2f} s, mlx_lm.utils {t3-t2:.2f} s, "
       f"omlx server {t4-t3:.2f} s")
 PY
-python3 -X importtime -c "import appliance.runtime, appliance.server.runner" 2> "$OUT/importtime.txt"
-sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -12
 case ",$STEPS," in *,host,*)
-  python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
+  step python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,kernels,*)
-  python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py 2>&1 | tail -30 ;; esac
+  step python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py \
+    tests/kernels/test_cuda_driver.py 2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,save,*)
-  python3 bench/save_step.py --shape 8b --tokens 25417 --out "$OUT/save_step.json" | tail -80 ;; esac
+  step python3 bench/save_step.py --shape 8b --tokens 25417 --out "$OUT/save_step.json" | tail -80 ;; esac
 case ",$STEPS," in *,prefill,*)
-  python3 bench/prefill_paths.py --shape 8b --tokens 25417 --tokenizer .gpu/tok \
+  step python3 bench/prefill_paths.py --shape 8b --tokens 25417 --tokenizer .gpu/tok \
     --paths generate_step,engine,engine_cache --out "$OUT/prefill_paths.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,ready,*)
-  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
+  model 8b
   # A fresh cache dir: the weights are seen for the first time (their fingerprint hashed).
-  python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
     --out "$OUT/ready.json" 2>&1 | tail -25 ;; esac
 case ",$STEPS," in *,restore,*)
-  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
-  python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" --host \
+  model 8b
+  step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" --host \
     --ssd-repeats 1 --out "$OUT/restore.json" 2>&1 | tail -45 ;; esac
 case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
-  python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
+  model 8b
+  step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
     --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
+case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 8 and 4 bits, 8K and 32K
+  model 8b
+  for bits in 8 4; do
+    step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes 8K,32K --host \
+      --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
+  done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill
-  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
-  python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch \
+  model 8b
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
-  [ -d /tmp/llama-8b ] || python3 bench/gpu_model.py --shape 8b --out /tmp/llama-8b --tokenizer .gpu/tok
-  python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \
+  model 8b
+  step python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \
     2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,70b,*)  # item 4: the 70B-shaped model at 4 bits, 32K from host and SSD
-  [ -d /tmp/llama-70b-4bit ] || python3 bench/gpu_model.py --shape 70b --bits 4 --out /tmp/llama-70b-4bit \
-    --tokenizer .gpu/tok
-  python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
+  model 70b
+  step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
     --ssd-repeats 1 --out "$OUT/restore70b.json" 2>&1 | tail -20 ;; esac
+case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at 8 bits
+  model 70b
+  step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
+    --host-kv-bits 8 --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/quant70b.json" 2>&1 | tail -20 ;; esac
 [ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs
