@@ -97,9 +97,9 @@ class ModelCache:
         self.counters: Counter = Counter()
         self.last_decision: dict | None = None  # restore or recompute: the inputs and the choice
         store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
+        k_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.k_head_dim]
+        v_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.v_head_dim]
         for bits in {store.kv_bits[HOST], store.kv_bits[SSD]}:  # full blocks' payloads: pinned ahead on CUDA
-            k_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.k_head_dim]
-            v_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.v_head_dim]
             store.expect_blocks(payload_nbytes(block_meta(layout.dtype, k_shape, v_shape, bits)))
 
     @property

@@ -252,6 +252,18 @@ class KVStore:
         them in memory; empties `wave`. Returns False when a block was unreadable (it and
         the rest of the wave are dropped)."""
         started = time.perf_counter()
+        blocks = self._to_device_all(wave)
+        mx.eval([(b.keys, b.values) for b in blocks])
+        self._count_restore(wave, blocks, time.perf_counter() - started)
+        fetched.extend(Fetched(block, lifted.served) for lifted, block in zip(wave, blocks))
+        complete = len(blocks) == len(wave)
+        wave.clear()  # the payloads' last references: their pinned slots free for what memory pushes down
+        self.put_memory(*blocks)
+        return complete
+
+    def _to_device_all(self, wave: list[_Lifted]) -> list[KVBlock]:
+        """Returns the wave's blocks as MLX arrays, not yet evaluated, up to the first
+        unreadable one."""
         blocks: list[KVBlock] = []
         for lifted in wave:
             try:
@@ -259,11 +271,13 @@ class KVStore:
             except (KeyError, ValueError, AttributeError) as e:
                 log.warning("dropping an unreadable cached block %s: %s", lifted.stored.key.hex()[:16], e)
                 break
-        mx.eval([(b.keys, b.values) for b in blocks])
-        moved_s = time.perf_counter() - started
+        return blocks
+
+    def _count_restore(self, wave: list[_Lifted], blocks: list[KVBlock], moved_s: float) -> None:
+        """Adds a wave's restore to the rates: an SSD block's read counts to the SSD's rate,
+        every block's move up (its share of `moved_s`) to the host tier's, since an SSD
+        restore costs both (`restore_s`); quantized blocks' moves to the dequantize rate."""
         total = sum(b.nbytes for b in blocks) or 1
-        # An SSD block's read counts to the SSD's rate, every block's move up to the host
-        # tier's: an SSD restore costs both (`restore_s`).
         by_tier: dict[str, list[float]] = {HOST: [0, 0.0]}
         quantized = [0, 0.0]
         for lifted, block in zip(wave, blocks):
@@ -277,15 +291,9 @@ class KVStore:
             if lifted.stored.meta.get("bits", 16) != 16:
                 quantized[0] += block.nbytes
                 quantized[1] += share
-            fetched.append(Fetched(block, lifted.served))
-        complete = len(blocks) == len(wave)
-        lifted = None  # noqa: F841 -- with the wave, the last reference to a payload
-        wave.clear()  # the payloads go: their pinned slots are free for what memory pushes down
         for tier, (nbytes, seconds) in by_tier.items():
             self.rates[tier].add(nbytes, seconds)
         self.rates[DEQUANTIZE].add(*quantized)
-        self.put_memory(*blocks)
-        return complete
 
     def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> int:
         """Reads SSD-only blocks into the host tier (no MLX work), several files at once;
