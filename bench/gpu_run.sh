@@ -5,8 +5,9 @@
 # that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
-#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,ready,restore,restore8,
+#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,batch,ready,restore,restore8,
 #                                  # quant,throughput,agents,70b,quant70b
+#   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
 # Everything lands in $OUT (JSON per bench, the server logs). Each step runs under its own
@@ -59,6 +60,9 @@ case ",$STEPS," in *,save,*)
 case ",$STEPS," in *,prefill,*)
   step python3 bench/prefill_paths.py --shape 8b --tokens 25417 --tokenizer .gpu/tok \
     --paths generate_step,engine,engine_cache --out "$OUT/prefill_paths.json" 2>&1 | tail -40 ;; esac
+case ",$STEPS," in *,batch,*)  # item 5: one wave of N short prompts, omlx's engine against BatchGenerator
+  step python3 bench/batch_steps.py --shape 8b --n 8,32 --tokenizer .gpu/tok --out "$OUT/batch_steps.json" 2>&1 \
+    | grep -v '"phases"' | tail -40 ;; esac
 case ",$STEPS," in *,ready,*)
   model 8b
   # A fresh cache dir: the weights are seen for the first time (their fingerprint hashed).
@@ -72,11 +76,11 @@ case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
   model 8b
   step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
     --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
-case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 8 and 4 bits, 8K and 32K
+case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bits, 8K and 32K
   model 8b
-  for bits in 8 4; do
-    step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes 8K,32K --host \
-      --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
+  for bits in ${BITS:-16 8 4}; do
+    step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes ${SIZES:-8K,32K} --host \
+      --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill
@@ -91,8 +95,11 @@ case ",$STEPS," in *,70b,*)  # item 4: the 70B-shaped model at 4 bits, 32K from 
   model 70b
   step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
     --ssd-repeats 1 --out "$OUT/restore70b.json" 2>&1 | tail -20 ;; esac
-case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at 8 bits
+case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at fewer bits (8 minutes a precision)
   model 70b
-  step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
-    --host-kv-bits 8 --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/quant70b.json" 2>&1 | tail -20 ;; esac
+  for bits in ${BITS:-8 4}; do
+    step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes ${SIZES:-8K,32K} --host \
+      --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant70b-$bits.json" 2>&1 \
+      | tail -8
+  done ;; esac
 [ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs

@@ -237,6 +237,7 @@ class Setup:
     host: bool = False
     ssd_kv_bits: int = 16
     host_kv_bits: int = 16
+    tiers_only: bool = False  # the SSD phase reopens the host phase's cache dir (see --tiers-only)
 
 
 def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
@@ -298,25 +299,35 @@ def measure_size(setup: Setup, tokens: ChatTokens, label: str, num_tokens: int, 
             result.host_pinned_bytes = wait_pinned(server)
             a = prompt_of(tokens, num_tokens, label=f"restore-{label}-host-a")
             b = prompt_of(tokens, num_tokens, label=f"restore-{label}-host-b")
-            for name, chat in (("host: cold A", a), ("host: cold B", b), ("host: repeat A", a)):
+            result.host.append(asyncio.run(timed(server, "host: cold A", a)))
+            result.ssd_writes_flushed = wait_ssd_written(server.url)
+            a_files = kv_files(host_dir / "cache")  # prompt A's blocks (B's come next)
+            for name, chat in (("host: cold B", b), ("host: repeat A", a)):
                 result.host.append(asyncio.run(timed(server, name, chat)))
         finally:
             result.server_exit_codes.append(server.stop(grace_s=60))
-        # Its blocks are of no further use; a 70B model's two 32K prompts hold 21 GB of them,
-        # and the GPU machine's disk holds 64 GiB with the model.
-        shutil.rmtree(host_dir, ignore_errors=True)
+        if setup.tiers_only:  # prompt A, as saved by the host phase, is the SSD phase's prompt
+            messages, work_dir, cache_dir = a, host_dir, host_dir / "cache"
+            result.cold = result.host[0]
+            result.prompt_tokens = result.cold.timing.prompt_tokens
+        else:
+            # Its blocks are of no further use; a 70B model's two 32K prompts hold 21 GB of them,
+            # and the GPU machine's disk holds 64 GiB with the model.
+            shutil.rmtree(host_dir, ignore_errors=True)
 
-    server = start(setup, work_dir, f"restore-{label}-1", result)
-    try:
-        result.cold = asyncio.run(timed(server, "cold", messages))
-        result.prompt_tokens = result.cold.timing.prompt_tokens
-        for i in range(MEMORY_REPEATS):
-            result.memory.append(asyncio.run(timed(server, f"memory {i + 1}", messages)))
-        result.ssd_writes_flushed = wait_ssd_written(server.url)
-    finally:
-        result.server_exit_codes.append(server.stop(grace_s=60))
+    if not setup.tiers_only:
+        server = start(setup, work_dir, f"restore-{label}-1", result)
+        try:
+            result.cold = asyncio.run(timed(server, "cold", messages))
+            result.prompt_tokens = result.cold.timing.prompt_tokens
+            for i in range(MEMORY_REPEATS):
+                result.memory.append(asyncio.run(timed(server, f"memory {i + 1}", messages)))
+            result.ssd_writes_flushed = wait_ssd_written(server.url)
+        finally:
+            result.server_exit_codes.append(server.stop(grace_s=60))
 
-    files = target_files = kv_files(cache_dir)  # the measured prompt's blocks
+    target_files = a_files if setup.tiers_only else kv_files(cache_dir)  # the measured prompt's blocks
+    files = kv_files(cache_dir)
     result.block_files = len(target_files)
     result.block_bytes = sum(f.stat().st_size for f in target_files)
     for run in range(1, setup.ssd_repeats + 1):
@@ -381,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", action="store_true", help="add the host-tier phase")
     parser.add_argument("--ssd-kv-bits", type=int, choices=(16, 8, 4), default=16)
     parser.add_argument("--host-kv-bits", type=int, choices=(16, 8, 4), default=16)
+    parser.add_argument("--tiers-only", action="store_true",
+                        help="with --host: no cold-and-memory server; the SSD phase restarts on the host phase's "
+                             "cache dir and restores its prompt A (one cold prefill and one start fewer)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else GPU_SIZES if args.model else FULL_SIZES
     if args.sizes:
@@ -394,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model.resolve() if args.model else converted_model_dir()
     setup = Setup(model_dir, args.code.resolve(), profile=args.profile, dtype="auto" if args.model else "float32",
                   ssd_repeats=args.ssd_repeats, host=args.host, ssd_kv_bits=args.ssd_kv_bits,
-                  host_kv_bits=args.host_kv_bits)
+                  host_kv_bits=args.host_kv_bits, tiers_only=args.tiers_only)
+    if args.tiers_only and not args.host:
+        parser.error("--tiers-only needs --host")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     started = time.time()
     tokens = ChatTokens(model_dir)
