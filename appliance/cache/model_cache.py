@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -183,11 +183,12 @@ class ModelCache:
                                     count=count)
 
     def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
-                 prefill_tok_s: float | None = None) -> int:
-        """Reads the SSD blocks worth restoring into host RAM; returns how many."""
+                 prefill_tok_s: float | None = None, started: Callable[[], None] | None = None) -> int:
+        """Reads the SSD blocks worth restoring into host RAM; returns how many. `started`
+        is called once their reads are under way (KVStore.prefetch), when there are any."""
         lookup = self.restorable(tokens, tenant=tenant, prefill_tok_s=prefill_tok_s, count=False)
         wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
-        return self.store.prefetch(wanted, dir=self.space(tenant).dir) if wanted else 0
+        return self.store.prefetch(wanted, dir=self.space(tenant).dir, started=started) if wanted else 0
 
     def restore(self, lookup: Lookup, *, prompt_tokens: int) -> Restored:
         """Returns a ready prompt cache holding the looked-up prefix (engine thread only)."""

@@ -17,7 +17,9 @@ directly: a demote copies a block there, the SSD tier reads files there, and a r
 reads it from there, each at tens of GB/s instead of MLX's 2-2.5 GB/s host paths.
 
 MLX work (building arrays) happens on the calling engine thread; `prefetch` only reads
-files into the host tier, so it is safe on an I/O thread.
+files into the host tier, so it is safe on an I/O thread. A restore that wants a block a
+prefetch is still reading takes that read over (`_claim`): the blocks read first move
+to the device while the rest are read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -122,7 +125,8 @@ class KVStore:
         self._block_nbytes: set[int] = set()  # expect_blocks: the sizes to pin slots for ahead
         self._layouts: set[tuple[str, int, int]] = set()  # expect_layout: (dtype, k_dim, v_dim)
         self._pinning_failed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _reading, and a read block's hand-over to host
+        self._reading: dict[bytes, Future] = {}  # prefetch reads under way, by key (`_claim`)
         # Block files are read in parallel: a read's cost here is as much fresh memory
         # (page faults) as the disk, and both spread over cores and the device queue.
         self._readers = ThreadPoolExecutor(max_workers=PREFETCH_READERS, thread_name_prefix="kv-read")
@@ -234,6 +238,10 @@ class KVStore:
         returns False when it is lost. (Only `wave` holds it, so emptying the wave frees
         its pinned slot.)"""
         started = time.perf_counter()
+        claimed = self._claim(key)
+        if claimed is not None and claimed.tokens == tokens:  # its read counts to the prefetch's SSD rate
+            wave.append(_Lifted(claimed, HOST, SSD, 0.0))
+            return True
         stored, measured = self.host.pop(key), HOST
         served = SSD if key in self._prefetched else HOST
         self._prefetched.discard(key)
@@ -295,22 +303,52 @@ class KVStore:
             self.rates[tier].add(nbytes, seconds)
         self.rates[DEQUANTIZE].add(*quantized)
 
-    def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> int:
-        """Reads SSD-only blocks into the host tier (no MLX work), several files at once;
-        returns how many."""
+    def prefetch(self, keys: list[tuple[bytes, tuple[int, ...]]], *, dir: str,
+                 started: Callable[[], None] | None = None) -> int:
+        """Reads SSD-only blocks into the host tier (no MLX work), several files at once, in
+        order up to the first one missing; returns how many. `started` is called once the
+        reads are under way: from then on a restore takes over the reads it needs (`_claim`)."""
         todo = [(key, tokens) for key, tokens in keys if key not in self.memory and key not in self.host]
         if not todo:
             return 0
-        started = time.perf_counter()
-        read = self._readers.map(lambda kt: self._read_ssd(kt[0], dir, kt[1]), todo)
-        count, nbytes = 0, 0
-        for block in read:
-            if block is None:
-                break  # the chain is broken here: later blocks are useless
-            self._put_host(block, prefetched=True)
-            count, nbytes = count + 1, nbytes + computed_nbytes(block.meta)
-        self.rates[SSD].add(nbytes, time.perf_counter() - started)
+        began = time.perf_counter()
+        with self._lock:
+            reads = [(key, self._readers.submit(self._read_ssd, key, dir, tokens))
+                     for key, tokens in todo if key not in self._reading]
+            self._reading.update(reads)
+        if started is not None:
+            started()
+        count, nbytes, broken = 0, 0, False
+        for key, read in reads:
+            if broken:
+                read.cancel()  # the chain is broken: later blocks are useless
+            block = self._result(read)
+            with self._lock:  # a block is handed to host or to a restore (_claim), never both
+                mine = self._reading.pop(key, None) is not None
+                if mine and block is not None and not broken:
+                    self._put_host(block, prefetched=True)
+            broken = broken or block is None
+            if not broken:
+                count, nbytes = count + 1, nbytes + computed_nbytes(block.meta)
+        self.rates[SSD].add(nbytes, time.perf_counter() - began)
         return count
+
+    def _claim(self, key: bytes) -> Block | None:
+        """Takes over a prefetch's read of `key`, if one is under way or done and not yet in
+        host: waits for it and returns the block (None when it was not read)."""
+        with self._lock:
+            read = self._reading.pop(key, None)
+        return None if read is None else self._result(read)
+
+    @staticmethod
+    def _result(read: Future) -> Block | None:
+        try:
+            return read.result()
+        except CancelledError:
+            return None
+        except Exception as e:  # an unreadable file is a lost block, not a failed restore
+            log.warning("reading a cached block failed: %s", e)
+            return None
 
     def _read_ssd(self, key: bytes, dir: str, tokens: tuple[int, ...]) -> Block | None:
         if self.ssd is None:

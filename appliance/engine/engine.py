@@ -176,7 +176,7 @@ class Engine:
                 # SSD reads start now, not when the request reaches the front of the queue.
                 slot.prefetch = self._prefetcher.submit(
                     self.cache.prefetch, request.prompt_tokens, tenant=request.tenant,
-                    prefill_tok_s=self.prefill_tok_s)
+                    prefill_tok_s=self.prefill_tok_s, started=lambda: self._reading(slot))
                 slot.prefetch.add_done_callback(lambda _: self._wake())
             self._num_live += 1
             self._commands.submitted.append(slot)
@@ -192,6 +192,11 @@ class Engine:
             self.cache = cache
             self._cond.notify()
         log.info("model %s: KV cache attached", self.loaded.name)
+
+    def _reading(self, slot: Slot) -> None:
+        """A prefetch's reads for `slot` are under way (on a reader thread)."""
+        slot.reading = True
+        self._wake()
 
     def _wake(self) -> None:
         with self._cond:
@@ -326,8 +331,13 @@ class Engine:
     def _admissible(self) -> bool:
         """True when a waiting request could start now (a batch that just emptied at once
         leaves queued requests with nothing else to wake the engine)."""
-        return len(self._running) < self.limits.max_running and any(
-            s.prefetch is None or s.prefetch.done() for s in self._waiting)
+        return len(self._running) < self.limits.max_running and any(map(self._ready, self._waiting))
+
+    def _ready(self, slot: Slot) -> bool:
+        """True when `slot` may start: its prefetch is done, or its reads are under way and
+        nothing runs, so its restore may wait on them (it moves the blocks read first to the
+        device while the rest are read) without holding anyone up."""
+        return slot.prefetch is None or slot.prefetch.done() or (slot.reading and not self._running)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
@@ -335,11 +345,11 @@ class Engine:
                          shape_tokens=GPU_SHAPE_TOKENS if device_kind() == "gpu" else 1)
 
     def _admit(self) -> None:
-        """Moves waiting requests into the batch, oldest first, once their prefetch is done."""
+        """Moves waiting requests into the batch, oldest first, once they are ready (`_ready`)."""
         for slot in list(self._waiting):
             if len(self._running) >= self.limits.max_running:
                 return
-            if slot.prefetch is not None and not slot.prefetch.done():
+            if not self._ready(slot):
                 continue
             self._waiting.remove(slot)
             restored = self._restore(slot)

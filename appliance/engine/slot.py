@@ -23,6 +23,7 @@ class Slot:
         self.done = False
         self.handle: Any = None
         self.prefetch: Future | None = None  # SSD reads started at submit
+        self.reading = False  # the prefetch's reads are under way (set on its thread)
         self.saved_tokens = 0  # the prompt's full KV blocks up to here are saved (or were cached)
         self._stop_ids = frozenset(loaded.eos_token_ids) | frozenset(request.stop_token_ids)
         self._detokenizer = loaded.tokenizer.detokenizer

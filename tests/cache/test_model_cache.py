@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class Rig:
                                 layout=probe_layout(loaded.model), block_tokens=BLOCK)
         self.pool = ThreadPoolExecutor(2)
         self.engine = Engine(loaded, BatchingSpec(max_running=4, max_queued=4, prefill_chunk_tokens=64),
-                             cache=self.cache, prefetcher=self.pool).start()
+                             cache=self.cache, prefetcher=self.pool).start_warm()
 
     def prompt(self, question: str, context: str = CONTEXT) -> tuple[int, ...]:
         return tuple(self.loaded.encode_chat([
@@ -106,6 +107,37 @@ def test_restart_restores_from_the_ssd(rigs, tmp_path):
     (warm,) = second.run(prompt)
     assert warm["tiers"] == {"ssd": len(prompt) - 1}
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_a_lone_request_restores_while_its_blocks_are_read(rigs, tmp_path, monkeypatch):
+    """After a restart on a slow disk, the request starts before its prefetch is done: its
+    restore moves the blocks read first while the rest are read."""
+    first = rigs(tmp_path / "kv")
+    prompt = first.prompt("List the classes defined here.")
+    (cold,) = first.run(prompt)
+    first.close()
+    second = rigs(tmp_path / "kv")
+    read, done_at = second.store.ssd.get, []
+
+    def slow_get(key, **kwargs):
+        time.sleep(0.2)
+        block = read(key, **kwargs)
+        done_at.append(time.perf_counter())
+        return block
+
+    fetch_all, fetching_at = second.store.fetch_all, []
+
+    def timed_fetch_all(*args, **kwargs):
+        fetching_at.append(time.perf_counter())
+        return fetch_all(*args, **kwargs)
+
+    monkeypatch.setattr(second.store.ssd, "get", slow_get)
+    monkeypatch.setattr(second.store, "fetch_all", timed_fetch_all)
+    (warm,) = second.run(prompt)
+    assert warm["tiers"] == {"ssd": len(prompt) - 1}
+    assert warm["tokens"] == cold["tokens"]
+    assert len(done_at) == -(-(len(prompt) - 1) // BLOCK)  # every block read once
+    assert fetching_at[0] < max(done_at)
 
 
 def test_a_longer_prompt_restores_the_shared_prefix(rigs, tmp_path):

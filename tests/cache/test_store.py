@@ -1,4 +1,6 @@
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,6 +295,57 @@ def test_prefetch_with_wrong_tokens_stops(store):
     assert store.prefetch([(blocks[0].key, blocks[1].tokens), (blocks[1].key, blocks[1].tokens)],
                           dir=DIR) == 0
     assert store.tier_of(blocks[1].key, DIR) == SSD
+
+
+def slow_reads(store: KVStore, monkeypatch, delay_s: float) -> list[bytes]:
+    """Makes each SSD read take `delay_s` more (a slow disk); returns the keys read, in order."""
+    read, keys = store.ssd.get, []
+
+    def get(key, **kwargs):
+        time.sleep(delay_s)
+        keys.append(key)
+        return read(key, **kwargs)
+
+    monkeypatch.setattr(store.ssd, "get", get)
+    return keys
+
+
+def test_a_restore_takes_over_the_reads_a_prefetch_has_under_way(store, monkeypatch):
+    """Blocks read first go to the device while the rest are read, and no file is read twice."""
+    blocks = make_blocks(6)
+    store.save(blocks)
+    only_on_ssd(store)
+    keys = slow_reads(store, monkeypatch, 0.05)
+    wanted = [(b.key, b.tokens) for b in blocks]
+    under_way, counted = threading.Event(), []
+    prefetch = threading.Thread(target=lambda: counted.append(store.prefetch(wanted, dir=DIR, started=under_way.set)))
+    prefetch.start()
+    assert under_way.wait(5)
+    got = store.fetch_all(wanted, dir=DIR)
+    prefetch.join(5)
+    assert [f.tier for f in got] == [SSD] * 6
+    assert all(same_kv(f.block, b) for f, b in zip(got, blocks))
+    assert sorted(keys) == sorted(b.key for b in blocks)  # each read once
+    assert counted == [6]
+    assert [store.tier_of(b.key, DIR) for b in blocks] == [SSD] * 2 + [HOST] * 2 + [MEMORY] * 2  # 2 each
+
+
+def test_a_claimed_read_that_finds_nothing_ends_the_restore_there(store, monkeypatch):
+    blocks = make_blocks(3)
+    store.save(blocks)
+    only_on_ssd(store)
+    assert store.ssd.clear(DIR) == 3
+    store.save([blocks[0], blocks[2]])
+    only_on_ssd(store)
+    slow_reads(store, monkeypatch, 0.05)
+    under_way = threading.Event()
+    wanted = [(b.key, b.tokens) for b in blocks]
+    prefetch = threading.Thread(target=lambda: store.prefetch(wanted, dir=DIR, started=under_way.set))
+    prefetch.start()
+    assert under_way.wait(5)
+    got = store.fetch_all(wanted, dir=DIR)
+    prefetch.join(5)
+    assert [f.block.key for f in got] == [blocks[0].key]
 
 
 def test_tier_of_does_not_touch_recency(store):
