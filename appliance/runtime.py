@@ -31,6 +31,7 @@ from appliance.spec import CacheSpec, ModelSpec
 
 PROBE = object()  # model_cache: probe the layout
 FINGERPRINT_WAIT_S = 1.0  # past this, the KV cache attaches after readiness
+KERNEL_WARM_WAIT_S = 30.0  # readiness waits this long at most for the native KV kernels to compile
 
 log = logging.getLogger("omlx.runtime")
 
@@ -142,11 +143,15 @@ class Appliance:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             layout = probe_layout(loaded.model)  # MLX work: before the engine's thread starts
+            if store is not None:  # its native KV kernels compile beside the engine's warm-up
+                store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
             engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
             engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
             engine.on_device_lost = functools.partial(self._device_lost, entry)
             self._attach_cache(engine, store, spec.cache, cache_dir, layout)
+            if store is not None and not store.wait_warm(KERNEL_WARM_WAIT_S):
+                log.warning("model %s: its native KV kernels are still compiling", entry.spec.name)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
             log.error("model %s failed to load: %s", entry.spec.name, e)

@@ -124,6 +124,7 @@ class KVStore:
         self._pool: PinnedPool | None = None
         self._block_nbytes: set[int] = set()  # expect_blocks: the sizes to pin slots for ahead
         self._layouts: set[tuple[str, int, int]] = set()  # expect_layout: (dtype, k_dim, v_dim)
+        self._warming: threading.Thread | None = None  # the last `_warm` compile
         self._pinning_failed = False
         self._lock = threading.Lock()  # guards _reading, and a read block's hand-over to host
         self._reading: dict[bytes, Future] = {}  # prefetch reads under way, by key (`_claim`)
@@ -509,7 +510,19 @@ class KVStore:
                         log.warning("native KV kernels for %s KV (head dims %d, %d) failed: %s",
                                     dtype, k_dim, v_dim, failure)
 
-        threading.Thread(target=run, name="kv-kernel-warm", daemon=True).start()
+        self._warming = threading.Thread(target=run, name="kv-kernel-warm", daemon=True)
+        self._warming.start()
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Waits for the native kernels' compile (`_warm`) to end; returns whether it did.
+        A first request that arrives while it runs waits for its compiles too (MLX's JIT
+        and the GPU are shared): a restore right after a restart on an H200 took 2-3 s
+        more than the same restore later."""
+        warming = self._warming
+        if warming is None:
+            return True
+        warming.join(timeout_s)
+        return not warming.is_alive()
 
     def expect_blocks(self, nbytes: int) -> None:
         """Says a model's full blocks take `nbytes` of payload at a tier's precision: with the

@@ -309,11 +309,12 @@ class Engine:
     def _next_commands(self) -> _Commands | None:
         """Returns the commands that arrived since the last step; None once stopping. While
         idle, the engine pins host memory for the KV cache's native path, a slot at a time
-        (pinning holds the GPU up: never while requests run)."""
+        (pinning holds the GPU and the host's memory up: never while requests run, nor
+        while one waits for its SSD reads, which it would slow down)."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
                        or self._stopping or self._wakeups or self._admissible()):
-                if self.cache is not None and self.cache.store.wants_pinned():
+                if self.cache is not None and not self._waiting and self.cache.store.wants_pinned():
                     self._cond.release()
                     try:
                         self.cache.store.pin_one()
