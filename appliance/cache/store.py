@@ -499,7 +499,10 @@ class KVStore:
         on its first call: ~2.2 s of a model's first restore on an H200 otherwise)."""
         if not (self._native_down or self._native_up) or not self._layouts:
             return
-        bits = tuple(sorted({16, *self.kv_bits.values()}, reverse=True))
+        # The tiers' precisions only: each costs ~1-2 s of compiling beside the engine's
+        # warm-up, which readiness waits for (a block stored at another precision before a
+        # change of [cache] compiles on its first restore).
+        bits = tuple(sorted(set(self.kv_bits.values()), reverse=True))
         layouts = sorted(self._layouts)
 
         def run() -> None:
