@@ -27,7 +27,9 @@ GET /admin/api/status.
 With `--model` and `--profile` it runs on a GPU model (bench/gpu_model.py) under a profile;
 `--host` adds a host-tier phase: a server whose memory tier holds one prompt's KV and not
 two; prompt A, then prompt B (which pushes A's blocks down to host memory), then A again,
-restored from there. Every measured request records the server's restore-or-recompute decision (its
+restored from there. `--tiers-only` (with `--host`) skips the cold-and-memory server: the SSD
+phase restarts on the host phase's cache dir and restores its prompt A, one cold prefill
+and one start fewer (the 70B runs). Every measured request records the server's restore-or-recompute decision (its
 inputs: prefill speed, per-tier restore rates and estimates; its choice), from
 GET /admin/api/cache.
 
