@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from appliance.kernels.kv_quant import _nbytes, _parts, pack, payload_nbytes
+from appliance.kernels.kv_quant import pack, payload_nbytes, values_offset
 
 SOURCES = Path(__file__).resolve().parent / "cuda"
 THREADS = 256
@@ -71,9 +71,7 @@ def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, 
     kernel = _kernel("kv_to_block", ("addr", "rows"), ("out",))
     dtype = getattr(mx, meta["dtype"])
     bits = meta.get("bits", 16)
-    parts = _parts(meta)
-    half = len(parts) // 2
-    offsets = (0, sum(_nbytes(shape, d) for shape, d in parts[:half]))
+    offsets = (0, values_offset(meta))
     out = []
     for i, (shape, offset) in enumerate(zip((meta["k_shape"], meta["v_shape"]), offsets)):
         *lead, dim = shape

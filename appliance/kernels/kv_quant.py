@@ -109,6 +109,13 @@ def payload_nbytes(meta: dict) -> int:
     return sum(_nbytes(shape, dtype) for shape, dtype in _parts(meta))
 
 
+def values_offset(meta: dict) -> int:
+    """Returns where the values' arrays start in the payload `meta` describes: the bytes
+    its keys' arrays take."""
+    parts = _parts(meta)
+    return sum(_nbytes(shape, dtype) for shape, dtype in parts[:len(parts) // 2])
+
+
 def unpack(raw: mx.array, meta: dict) -> tuple[mx.array, mx.array]:
     """Returns (keys, values) from a payload `pack` made (raw: uint8, evaluated or not), in
     the dtype they were computed in; raises ValueError when its size does not fit `meta`

@@ -7,7 +7,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from appliance.kernels.kv_quant import block_meta, dequantize, group_size_for, pack, payload_nbytes, quantize, unpack
+from appliance.kernels.kv_quant import (
+    block_meta,
+    dequantize,
+    group_size_for,
+    pack,
+    payload_nbytes,
+    quantize,
+    unpack,
+    values_offset,
+)
 
 SHAPE = (2, 3, 8, 64)  # layers, kv heads, tokens, head dim
 
@@ -87,3 +96,14 @@ def test_a_block_s_meta_and_payload_size_are_known_before_packing(bits):
     payload, meta = pack(keys, values, bits)
     assert block_meta("bfloat16", [2, 4, 32, 64], [2, 4, 32, 96], bits) == meta
     assert payload_nbytes(meta) == payload.size
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_the_values_start_where_the_keys_end(bits):
+    """What the native kernels read the values from: the payload's second half, by the meta."""
+    keys, values = random(), random(SHAPE[:-1] + (32,), seed=1)
+    payload, meta = pack(keys, values, bits)
+    keys_only, _ = pack(keys, keys, bits)
+    offset = values_offset(meta)
+    assert offset == keys_only.size // 2
+    assert mx.array_equal(payload[:offset], keys_only[:offset])
