@@ -51,9 +51,13 @@ log = logging.getLogger("omlx.cache")
 
 MEMORY, HOST, SSD = "memory", "host", "ssd"
 DEQUANTIZE = "dequantize"  # not a tier: the rate of turning 8- or 4-bit blocks back into KV
+# Not a tier either: with the native kernels on, the rate of moving up a block that lies in
+# pageable memory (MLX's own path): SSD reads right after a start, before idle engines
+# have pinned slots for them. HOST then measures the native moves only.
+GENERIC = "generic"
 # Until measured, assume restores run at these speeds (bytes of KV as computed per second):
 # conservative for SSDs.
-DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9, DEQUANTIZE: 5e9}
+DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9, DEQUANTIZE: 5e9, GENERIC: 2.5e9}
 WRITER_PENDING_BYTES = 1 << 30
 RATES_FILE = "rates.json"  # under the SSD root, beside index.sqlite
 # On CUDA (the native kernels' backend) the writer's queue holds device memory, not the
@@ -284,15 +288,18 @@ class KVStore:
 
     def _count_restore(self, wave: list[_Lifted], blocks: list[KVBlock], moved_s: float) -> None:
         """Adds a wave's restore to the rates: an SSD block's read counts to the SSD's rate,
-        every block's move up (its share of `moved_s`) to the host tier's, since an SSD
-        restore costs both (`restore_s`); quantized blocks' moves to the dequantize rate."""
+        every block's move up (its share of `moved_s`) to the host tier's (GENERIC's for a
+        block in pageable memory while the native kernels are on), since an SSD restore
+        costs both (`restore_s`); quantized blocks' moves to the dequantize rate."""
         total = sum(b.nbytes for b in blocks) or 1
-        by_tier: dict[str, list[float]] = {HOST: [0, 0.0]}
+        by_tier: dict[str, list[float]] = {}
         quantized = [0, 0.0]
         for lifted, block in zip(wave, blocks):
             share = moved_s * block.nbytes / total
-            by_tier[HOST][0] += block.nbytes
-            by_tier[HOST][1] += share + (lifted.read_s if lifted.measured == HOST else 0.0)
+            generic = self._native_up and not PinnedPool.owns(lifted.stored.payload)
+            moved = by_tier.setdefault(GENERIC if generic else HOST, [0, 0.0])
+            moved[0] += block.nbytes
+            moved[1] += share + (lifted.read_s if lifted.measured == HOST else 0.0)
             if lifted.measured == SSD:
                 read = by_tier.setdefault(SSD, [0, 0.0])
                 read[0] += block.nbytes
@@ -404,15 +411,27 @@ class KVStore:
     def restore_s(self, tier: str, nbytes: int) -> float:
         """Returns the expected seconds to restore `nbytes` of KV (as computed) from `tier`,
         from the measured rates: an SSD block is read into host memory and then moved up
-        from there as a host block is (on a GPU without a free pinned slot, the generic
-        path's 2.5 GB/s), and one at fewer bits is dequantized on top of that (a host
+        from there as a host block is, or, on a GPU without a free pinned slot for it, by
+        the generic path (`_pinned_share`: right after a start that path cost an 8B model's
+        SSD hits their gain), and one at fewer bits is dequantized on top of that (a host
         block's measured rate includes it already)."""
         seconds = nbytes / self.rates[tier].bytes_per_s
         if tier == SSD:
-            seconds += nbytes / self.rates[HOST].bytes_per_s
+            native = self._pinned_share(nbytes)
+            seconds += nbytes * (native / self.rates[HOST].bytes_per_s + (1 - native) / self.rates[GENERIC].bytes_per_s)
             if self.kv_bits[SSD] != 16:
                 seconds += nbytes / self.rates[DEQUANTIZE].bytes_per_s
         return seconds
+
+    def _pinned_share(self, nbytes: int) -> float:
+        """Returns the share of `nbytes` of KV (as computed), read from the SSD now, that
+        free pinned slots would take, and so the native path move up; the rest moves by
+        the generic path (GENERIC). 1 where the native kernels are off: HOST then measures
+        the only path there is."""
+        if not self._native_up or self._pool is None:
+            return 1.0
+        stored = nbytes * stored_fraction(self.kv_bits[SSD])
+        return min(1.0, self._pool.free_bytes / stored) if stored else 1.0
 
     # --- store -----------------------------------------------------------------------
 
@@ -609,5 +628,5 @@ class KVStore:
                    "pinned_bytes": self._pool.total_bytes if self._pool else 0,
                    "pinned_free_bytes": self._pool.free_bytes if self._pool else 0},
             SSD: {**ssd, "restore_gbps": rate(SSD), "kv_bits": self.kv_bits[SSD],
-                  "dequantize_gbps": rate(DEQUANTIZE)},
+                  "dequantize_gbps": rate(DEQUANTIZE), "generic_gbps": rate(GENERIC)},
         }

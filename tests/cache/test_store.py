@@ -11,7 +11,7 @@ import pytest
 from appliance.cache.block import Block
 from appliance.cache.keys import KeySpace, KVLayout, key_space
 from appliance.cache.kv import KVBlock, from_bytes
-from appliance.cache.store import HOST, MEMORY, SSD, Fetched, KVStore, Rate
+from appliance.cache.store import GENERIC, HOST, MEMORY, SSD, Fetched, KVStore, Rate
 
 LAYERS, HEADS, DIM, B = 2, 2, 8, 4
 LAYOUT = KVLayout(num_layers=LAYERS, kv_heads=HEADS, k_head_dim=DIM, v_head_dim=DIM, dtype="float32",
@@ -599,3 +599,12 @@ def test_the_restore_estimate_counts_the_move_up_and_dequantizing_ssd_blocks(tmp
 def test_wait_warm_returns_at_once_without_native_kernels(store):
     store.expect_layout(dtype="float32", k_dim=DIM, v_dim=DIM)  # the CPU has none: nothing compiles
     assert store.wait_warm(0.0)
+
+
+def test_an_ssd_restore_with_no_pinned_slot_free_is_estimated_at_the_generic_rate(store):
+    """Right after a start on a GPU no slot is pinned: SSD blocks move up by MLX's own path."""
+    store.rates[SSD].value, store.rates[HOST].value, store.rates[GENERIC].value = 2e9, 40e9, 2e9
+    assert store.restore_s(SSD, int(4e9)) == pytest.approx(2.1)  # no native kernels: HOST is the only path
+    store.use_native(quantize=False, dequantize=True)  # as on CUDA, before idle engines pinned anything
+    assert store.restore_s(SSD, int(4e9)) == pytest.approx(4.0)
+    assert store.restore_s(HOST, int(4e9)) == pytest.approx(0.1)
