@@ -5,7 +5,8 @@
 
 RESULTS_DIR (default bench/results/h200) holds what the GPU runs wrote:
 restore-8b.json and restore-70b-4bit.json (bench/restore.py --host), host_path.json
-(bench/host_path.py), throughput.json (bench/throughput.py --mlx-lm-batch). Each plot is
+(bench/host_path.py), throughput.json (bench/throughput.py --mlx-lm-batch),
+quant-8b-BITS.json and quant-70b-BITS.json (bench/restore.py --host --tiers-only). Each plot is
 made from the files present; the PNGs go to docs/bench/ (--out).
 """
 
@@ -94,6 +95,51 @@ def plot_throughput(result: dict, out: Path, plt) -> Path:
     return path
 
 
+def quant_ttfts(results: dict[tuple[str, int], dict]) -> dict[str, dict[str, float]]:
+    """Returns client TTFT per group ("8B 8K") and bar ("cold", "host 8-bit", "SSD 8-bit")
+    from bench/restore.py --host --tiers-only results keyed by (model, KV bits). An SSD
+    request the server recomputed is left out: it measures no restore."""
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for (model, bits), result in sorted(results.items(), key=lambda kv: (int(kv[0][0].rstrip("B")), -kv[0][1])):
+        for size in result["sizes"]:
+            group = groups[f"{model} {size['label']}"]
+            cold = size["host"][0]["timing"]["ttft_s"] if size["host"] else None
+            if cold is not None:
+                group["cold"] = min(group.get("cold", cold), cold)
+            host = [s["timing"]["ttft_s"] for s in size["host"] if s["name"] == "host: repeat A"]
+            if host and host[0] is not None:
+                group[f"host {bits}-bit"] = host[0]
+            ssd = size["ssd_runs"][0] if size["ssd_runs"] else None
+            if ssd is not None and ssd["timing"]["ttft_s"] is not None and ssd["timing"]["cached_tokens"]:
+                group[f"SSD {bits}-bit"] = ssd["timing"]["ttft_s"]
+    return groups
+
+
+def plot_quant(results: dict[tuple[str, int], dict], out: Path, plt) -> Path:
+    groups = quant_ttfts(results)
+    order = ["cold"] + [f"{tier} {bits}-bit" for tier in ("host", "SSD") for bits in (16, 8, 4)]
+    bars = [bar for bar in order if any(bar in g for g in groups.values())]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(bars)
+    colors = {"cold": "#999999", "host": "#37c", "SSD": "#c73"}
+    for i, bar in enumerate(bars):
+        xs = [g + i * width for g, values in enumerate(groups.values()) if bar in values]
+        ys = [values[bar] for values in groups.values() if bar in values]
+        shade = {"16-bit": 1.0, "8-bit": 0.7, "4-bit": 0.45}.get(bar.split()[-1], 1.0)
+        drawn = ax.bar(xs, ys, width, label=bar, color=colors[bar.split()[0]], alpha=shade)
+        ax.bar_label(drawn, fmt="%.2f", fontsize=7, rotation=90, padding=2)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(v for g in groups.values() for v in g.values()) * 3)
+    ax.set_ylabel("TTFT at the client (s, log scale)")
+    ax.set_title("omlx on an H200: cold, host hit and SSD after a restart, by KV precision")
+    ax.legend(fontsize=8, ncol=4, loc="upper left")
+    fig.tight_layout()
+    path = out / "h200-quant.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="?", default=REPO / "bench" / "results" / "h200")
@@ -115,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         made.append(plot_host_path(host, args.out, plt))
     if (throughput := load(args.results / "throughput.json")) is not None:
         made.append(plot_throughput(throughput, args.out, plt))
+    quant = {(model, bits): r for model, name in (("8B", "quant-8b"), ("70B", "quant-70b")) for bits in (16, 8, 4)
+             if (r := load(args.results / f"{name}-{bits}.json")) is not None}
+    if quant:
+        made.append(plot_quant(quant, args.out, plt))
     for path in made:
         print(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
     return 0
