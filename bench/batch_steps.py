@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.gpu_model import generate  # noqa: E402
-from bench.prefill_paths import instrument, loaded_model, log, phase_summary, prompt_of  # noqa: E402
+from bench.prefill_paths import generated_model, instrument, loaded_model, log, phase_summary, prompt_of  # noqa: E402
 
 
 def wave_stats(first: list[float], times: list[list[float]], started_at: float = 0.0) -> dict:
@@ -102,16 +101,10 @@ def main() -> int:
     from appliance.engine.engine import Engine
     from appliance.spec import BatchingSpec
 
-    if mx.default_device() == mx.gpu:
-        mx.set_memory_limit(int(args.memory_limit_gb * 2**30))
-    tokenizer_dir = args.tokenizer
-    if tokenizer_dir is None:
-        from bench.common import converted_model_dir
-        tokenizer_dir = converted_model_dir()
-    started = time.perf_counter()
-    model, cfg = generate(args.shape)
+    model, cfg, tokenizer_dir, model_s = generated_model(args.shape, tokenizer=args.tokenizer,
+                                                         memory_limit_gb=args.memory_limit_gb)
     results: dict = {"shape": args.shape, "device": str(mx.default_device()), "mlx": mx.__version__,
-                     "model_s": round(time.perf_counter() - started, 2), "decode": args.decode, "waves": []}
+                     "model_s": model_s, "decode": args.decode, "waves": []}
     log(f"model {args.shape} generated in {results['model_s']} s on {mx.default_device()}")
     lo, hi = map(int, args.prompt_tokens.split(","))
     rng = random.Random(0)

@@ -225,6 +225,20 @@ def call_memory_probe(model, *, context: int, sizes: list[int]) -> dict:
 # --- main ------------------------------------------------------------------------------------
 
 
+def generated_model(shape: str, *, tokenizer: Path | None, memory_limit_gb: float):
+    """Returns (model, config, tokenizer dir, seconds it took) of a generated model of
+    `shape`, with MLX's memory limit set on a GPU; the tokenizer defaults to the converted
+    test model's."""
+    if mx.default_device() == mx.gpu:
+        mx.set_memory_limit(int(memory_limit_gb * 2**30))
+    if tokenizer is None:
+        from bench.common import converted_model_dir
+        tokenizer = converted_model_dir()
+    started = time.perf_counter()
+    model, cfg = generate(shape)
+    return model, cfg, tokenizer, round(time.perf_counter() - started, 2)
+
+
 def loaded_model(model, cfg, tokenizer_dir: Path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -284,19 +298,12 @@ def main() -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(data, indent=1, default=str))
 
-    gpu = mx.default_device() == mx.gpu
-    if gpu:
-        mx.set_memory_limit(int(args.memory_limit_gb * 2**30))
-    tokenizer_dir = args.tokenizer
-    if tokenizer_dir is None:
-        from bench.common import converted_model_dir
-        tokenizer_dir = converted_model_dir()
-    started = time.perf_counter()
-    model, cfg = generate(args.shape)
+    model, cfg, tokenizer_dir, model_s = generated_model(args.shape, tokenizer=args.tokenizer,
+                                                         memory_limit_gb=args.memory_limit_gb)
     results: dict = {"shape": args.shape, "config": cfg, "tokens": args.tokens, "chunk": args.chunk,
                      "device": str(mx.default_device()), "mlx": mx.__version__,
                      "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, str, float))},
-                     "model_s": round(time.perf_counter() - started, 2), "paths": {}}
+                     "model_s": model_s, "paths": {}}
     log(f"model {args.shape} generated in {results['model_s']} s on {mx.default_device()}")
     loaded = loaded_model(model, cfg, tokenizer_dir)
     rng = random.Random(0)

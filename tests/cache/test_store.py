@@ -268,13 +268,19 @@ def test_prefetched_block_reports_ssd_as_its_origin(store):
     assert store.tier_of(blocks[0].key, DIR) == MEMORY
 
 
-def test_prefetch_stops_at_the_first_missing_block(store):
+def chain_without_its_middle(store: KVStore) -> list[KVBlock]:
+    """Returns a chain of 3 blocks of which the first and last are on the SSD alone."""
     blocks = make_blocks(3)
     store.save(blocks)
     only_on_ssd(store)
     assert store.ssd.clear(DIR) == 3
     store.save([blocks[0], blocks[2]])
     only_on_ssd(store)
+    return blocks
+
+
+def test_prefetch_stops_at_the_first_missing_block(store):
+    blocks = chain_without_its_middle(store)
     assert store.prefetch([(b.key, b.tokens) for b in blocks], dir=DIR) == 1
     assert [store.tier_of(b.key, DIR) for b in blocks] == [HOST, None, SSD]
 
@@ -331,12 +337,7 @@ def test_a_restore_takes_over_the_reads_a_prefetch_has_under_way(store, monkeypa
 
 
 def test_a_claimed_read_that_finds_nothing_ends_the_restore_there(store, monkeypatch):
-    blocks = make_blocks(3)
-    store.save(blocks)
-    only_on_ssd(store)
-    assert store.ssd.clear(DIR) == 3
-    store.save([blocks[0], blocks[2]])
-    only_on_ssd(store)
+    blocks = chain_without_its_middle(store)
     slow_reads(store, monkeypatch, 0.05)
     under_way = threading.Event()
     wanted = [(b.key, b.tokens) for b in blocks]
