@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## Restore vs recompute: client TTFT (streaming, max_tokens {MAX_TOKENS}), omlx, one server per prefix\n")
     print(table(results))
     methods = sorted({r.drop_method for r in results if r.drop_method})
-    print(f"\nmemory: median of {MEMORY_REPEATS} repeats. SSD: median of {SSD_REPEATS} runs, each a new server on the "
+    print(f"\nmemory: median of {MEMORY_REPEATS} repeats. SSD: median of {args.ssd_repeats} run(s), each a new server on the "
           f"same cache dir after the page cache was dropped ({', '.join(methods) or '–'}). No warm-up request: each "
           f"measured request is the first one its server got, sent once /health answered 200. Target: SSD-after-restart TTFT ≤ {TARGET_SSD_SHARE:.0%} of cold from "
           f"{TARGET_FROM_TOKENS} tokens up.\nResults: {path}")
