@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Fills .gpu/ (git-ignored: add `/.gpu/` to .git/info/exclude) with what bench/gpu_run.sh
+# carries to the offline GPU machine: the wheels this project needs beyond the GPU image's
+# own packages (../shared/gpu/prepare-wheels.sh, plus our other runtime dependencies) and
+# the test model's tokenizer files (.gpu/tok), from which bench/gpu_model.py builds its
+# models. Run from the repository root after `make setup-test` (which converts the model).
+set -euo pipefail
+bash ../shared/gpu/prepare-wheels.sh .gpu gguf==0.19.0 prometheus-client==0.26.0
+# llguidance's wheel is tagged manylinux_2_31, a platform prepare-wheels.sh does not ask for.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_31_x86_64 -d .gpu/wheels llguidance==1.9.1
+model=$(ls -d .cache/test/models/*-float32 | head -1)
+mkdir -p .gpu/tok
+cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/special_tokens_map.json .gpu/tok/
+ls .gpu/wheels .gpu/tok
