@@ -14,6 +14,9 @@ any release:
 - `BatchCache` overrides the methods of `mlx_lm.models.cache.BatchKVCache` that change
   `left_padding` (`prepare`, `filter`, `extend`, `merge`, the `state` setter; `finalize`
   turns right padding into left padding) and takes its masks from `make_mask`.
+- `prompt_padded` is `mlx_lm.generate.PromptProcessingBatch.prompt` with the padded
+  length given (and no `mx.clear_cache()` after each chunk); it relies on `finalize()`
+  turning any amount of right padding into left padding.
 - `set_size` writes `BatchKVCache._idx`: the buffers hold a row's tokens at
   `[left_padding, _idx)` (see `update_and_fetch`), and `size()` returns `_idx`.
 
@@ -29,7 +32,7 @@ import inspect
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from appliance.engine.sampling import Greedy
@@ -49,6 +52,8 @@ UPSTREAM: dict[str, tuple[str, str]] = {
         "27a2165cf672969f", "EagerGeneration's placeholder _next_logprobs, one per row"),
     "mlx_lm.generate.GenerationBatch.next": (
         "5d2a3d229fba02a9", "EagerGeneration._step's return value (the tokens handed out)"),
+    "mlx_lm.generate.PromptProcessingBatch.prompt": (
+        "91194fe0a4fcd146", "prompt_padded is a copy of it with the padded length given: port the change"),
     "mlx_lm.models.cache.BatchKVCache.__init__": (
         "597e88a6f035b035", "BatchCache.__init__ and set_size (_idx still the end of the tokens)"),
     "mlx_lm.models.cache.BatchKVCache.update_and_fetch": (
@@ -147,6 +152,33 @@ def row_view(cache: BatchKVCache, row: int) -> KVCache:
     view.values = cache.values[row:row + 1, :, pad:end]
     view.offset = end - pad
     return view
+
+
+# --- PromptProcessingBatch -----------------------------------------------------------
+
+def prompt_padded(batch: PromptProcessingBatch, tokens: list[list[int]], length: int) -> None:
+    """Runs `tokens` (one list per row of `batch`) through the model into `batch`'s
+    caches, as `batch.prompt(tokens)` does, but with every row right-padded to `length`
+    tokens (at least the longest row's), so that calls of different prompts share one
+    shape. The padding comes after each row's tokens, where causal attention keeps it
+    from them, and `finalize()` turns it into left padding."""
+    for held, new in zip(batch.tokens, tokens):
+        held += new
+    lengths = [len(t) for t in tokens]
+    length = max(length, *lengths)
+    padding = [length - n for n in lengths]
+    ids = mx.array([t + [0] * p for t, p in zip(tokens, padding)])
+    if any(padding):
+        for c in batch.prompt_cache:
+            c.prepare(lengths=lengths, right_padding=padding)
+    step = batch.prefill_step_size
+    for start in range(0, length, step):
+        batch.model(ids[:, start:start + step], cache=batch.prompt_cache)
+        mx.eval([c.state for c in batch.prompt_cache])
+    if any(padding):
+        for c in batch.prompt_cache:
+            c.finalize()
+        mx.eval([c.state for c in batch.prompt_cache])
 
 
 # --- GenerationBatch -----------------------------------------------------------------

@@ -6,9 +6,12 @@ A step has two halves, and the tokens reach clients between them:
   budget (`chunk_tokens`; four times that while nothing is decoding, since then no
   stream can stall). A batched call pads every prompt to the longest one's length, so
   they are split into the sub-batches that cost least: padding tokens against one more
-  pass over the weights, both measured (`split_by_length`). It then runs one decode step for every
-  generating request, so a request started here gets its first token from this same
-  step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
+  pass over the weights, both measured (`split_by_length`). On GPUs each sub-batch is cut
+  again into calls of a power-of-two count of prompts, each padded to a bucketed length
+  (`row_groups`, `padded_length`): MLX CUDA builds an attention graph per shape (~0.1 s),
+  so a call of a shape not yet seen delays every first token of its step. It then runs
+  one decode step for every generating request, so a request started here gets its
+  first token from this same step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
   previous call computed while the next is computed); on CPUs it is not (`EagerGeneration`).
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
@@ -31,7 +34,7 @@ from mlx_lm.generate import PromptProcessingBatch, StopSequences, generation_str
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from appliance.engine.call_budget import max_call_tokens, model_shape
-from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, row_view
+from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import can_prefill, prefill
 from appliance.engine.sampling import GREEDY
 
@@ -41,6 +44,7 @@ IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
 ALONE_STEPS = 4  # a prompt prefilled alone gets time slices this many times longer
 DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both are measured
 MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
+MIN_SHAPE_TOKENS = 32  # the shortest length a GPU's batched prefill call is padded to
 
 
 @dataclass
@@ -74,6 +78,28 @@ def split_by_length(prompts: list[_Prefill], pass_tokens: float) -> list[list[_P
         parts.append(prompts[cut[j]:j])
         j = cut[j]
     return parts[::-1]
+
+
+def row_groups(prompts: list) -> list[list]:
+    """Returns `prompts` cut, in order, into groups whose sizes are powers of two, largest
+    first: a GPU then meets at most one new batch size per power of two."""
+    groups, i = [], 0
+    while i < len(prompts):
+        size = 1 << ((len(prompts) - i).bit_length() - 1)
+        groups.append(prompts[i:i + size])
+        i += size
+    return groups
+
+
+def padded_length(num_tokens: int, shape_tokens: int) -> int:
+    """Returns the length a batched prefill call whose longest prompt has `num_tokens` is
+    padded to: below `shape_tokens` the next power of two (at least MIN_SHAPE_TOKENS),
+    else the next multiple of `shape_tokens`; `num_tokens` itself where shapes are free."""
+    if shape_tokens <= 1 or num_tokens <= 0:
+        return num_tokens
+    if num_tokens < shape_tokens:
+        return min(shape_tokens, max(MIN_SHAPE_TOKENS, 1 << (num_tokens - 1).bit_length()))
+    return -(-num_tokens // shape_tokens) * shape_tokens
 
 
 def extend_first(batches: list[PromptProcessingBatch]) -> PromptProcessingBatch:
@@ -164,15 +190,18 @@ class Scheduler:
             self._prefills.remove(p)
         parts = []
         for sub in split_by_length(starting, self._pass_tokens()):
-            part = extend_first([p.batch for p in sub])
-            todo = [p.remaining[:-1] for p in sub]
-            padded = len(sub) * max(map(len, todo))
-            self._budget_left -= padded
-            if padded:
-                started = time.perf_counter()
-                self._prompt(part, todo)
-                self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
-            parts.append(part)
+            for group in row_groups(sub) if self.shape_tokens > 1 else [sub]:
+                part = extend_first([p.batch for p in group])
+                todo = [p.remaining[:-1] for p in group]
+                longest = max(map(len, todo))
+                length = padded_length(longest, self.shape_tokens if len(group) > 1 else 1)
+                padded = len(group) * length
+                self._budget_left -= padded
+                if padded:
+                    started = time.perf_counter()
+                    self._prompt(part, todo, length=length)
+                    self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
+                parts.append(part)
         batch = extend_first(parts)
         self._generation.extend(self._generation_class(
             self.model, batch.uids, mx.array([p.remaining[-1] for p in starting]), batch.prompt_cache,
@@ -196,9 +225,10 @@ class Scheduler:
         p.s_per_token = self._measured(started, n, p.s_per_token)
         p.remaining = p.remaining[n:]
 
-    def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]]) -> None:
+    def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> None:
         """Prefills `todo` (one token list per row of `batch`) into its cache: a lone
-        prompt by the plain chunked forward pass (`prefill`), a padded batch by mlx-lm."""
+        prompt by the plain chunked forward pass (`prefill`), a padded batch by mlx-lm's
+        batch path, every row padded to `length` tokens (at least the longest row's)."""
         longest = max(len(t) for t in batch.tokens) + max(len(t) for t in todo)  # the context at the end
         if len(todo) == 1 and can_prefill(batch):
             cap = max_call_tokens(self._shape, context_tokens=longest)
@@ -210,7 +240,10 @@ class Scheduler:
             cap = max_call_tokens(self._shape, context_tokens=longest, rows=len(todo), fused=False)
             step = self.chunk_tokens if cap is None else cap // len(todo)
             batch.prefill_step_size = max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, step))
-            batch.prompt(todo)
+            if length > max(map(len, todo)):
+                prompt_padded(batch, todo, length)
+            else:
+                batch.prompt(todo)
 
     @staticmethod
     def _measured(started: float, num_tokens: int, previous: float | None) -> float | None:

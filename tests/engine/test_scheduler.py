@@ -10,7 +10,14 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
 from appliance.engine.sampling import GREEDY, GREEDY_WITH_LOGPROBS
-from appliance.engine.scheduler import ALONE_STEPS, MIN_CHUNK_TOKENS, Scheduler, split_by_length
+from appliance.engine.scheduler import (
+    ALONE_STEPS,
+    MIN_CHUNK_TOKENS,
+    Scheduler,
+    padded_length,
+    row_groups,
+    split_by_length,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -134,11 +141,12 @@ class CountingModel:
     """The real model, counting its forward passes."""
 
     def __init__(self, model):
-        self.model, self.calls = model, 0
+        self.model, self.calls, self.shapes = model, 0, []
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, inputs, *args, **kwargs):
         self.calls += 1
-        return self.model(*args, **kwargs)
+        self.shapes.append(tuple(inputs.shape))
+        return self.model(inputs, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -205,3 +213,32 @@ def test_cut_chunks_keep_to_whole_shapes_and_the_last_one_is_padded(loaded_model
         s.advance()
         sizes.append(before - s._prefills[0].todo)
     assert sizes and all(n % 64 == 0 for n in sizes)  # 192 each: whole shapes under the 200 budget
+
+
+def test_row_groups_are_powers_of_two_largest_first():
+    assert row_groups(list(range(7))) == [[0, 1, 2, 3], [4, 5], [6]]
+    assert row_groups(list(range(8))) == [list(range(8))]
+    assert row_groups([]) == []
+
+
+def test_batched_calls_are_padded_to_powers_of_two_then_to_whole_shapes():
+    assert [padded_length(n, 256) for n in (1, 3, 33, 125, 128, 200, 256, 257)] == [32, 32, 64, 128, 128, 256, 256, 512]
+    assert padded_length(125, 1) == 125  # a CPU: no padding
+    assert padded_length(100, 96) == 192  # a shape that is no power of two caps the powers
+
+
+def test_a_wave_on_a_gpu_meets_few_shapes_and_gets_the_same_greedy_tokens(loaded_model):
+    """Seven prompts of seven lengths start in calls of 4, 2 and 1 prompts padded to
+    bucketed lengths, and decode the tokens they decode unpadded."""
+    lengths = (15, 22, 40, 41, 60, 90, 130)
+
+    def run(shape_tokens: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        model = CountingModel(loaded_model.model)
+        s = Scheduler(model, chunk_tokens=512, step_s=None, shape_tokens=shape_tokens)
+        s._pass_s, s._start_s_per_token = 1e9, 1.0  # one sub-batch: the groups are the GPU's
+        rows = [[t for t, _ in row] for row in decode(s, [GREEDY] * len(lengths), lengths).values()]
+        return rows, [shape for shape in model.shapes if shape[1] > 1]  # the prefill calls
+
+    bucketed, calls = run(shape_tokens=64)
+    assert calls == [(4, 64), (2, 128), (1, 192)]  # the lone prompt: its chunk padded to whole shapes
+    assert bucketed == run(shape_tokens=1)[0]
