@@ -224,13 +224,47 @@ class Round:
     ttfts_s: tuple[float, ...]  # every request's, as ttft_bounds gives them: repeats pool these
     foreign_cpu_share: float  # CPU used by other processes on the machine meanwhile (0..1)
     errors: tuple[str, ...]
+    # omlx only, from its /metrics: means over the round of the engine's own figures, so that
+    # what the HTTP side adds shows (submission is after the prompt is tokenized)
+    engine: dict | None = None  # ttft_s (submission to first token), queue_s, gap_ms (between tokens)
+
+
+SERVER_SERIES = {"ttft_s": "omlx_time_to_first_token_seconds", "queue_s": "omlx_queue_seconds",
+                 "gap_ms": "omlx_inter_token_seconds"}
+
+
+def server_sums(server: ServerProcess) -> dict[str, tuple[float, float]] | None:
+    """Returns omlx's (sum, count) of each SERVER_SERIES histogram; None for another server."""
+    if server.name != "omlx":
+        return None
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    sums: dict[str, tuple[float, float]] = {}
+    for key, name in SERVER_SERIES.items():
+        values = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + suffix))
+                  for suffix in ("_sum", "_count")]
+        sums[key] = (values[0], values[1])
+    return sums
+
+
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """Returns each series' mean between two `server_sums`."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key in SERVER_SERIES:
+        count = after[key][1] - before[key][1]
+        mean = (after[key][0] - before[key][0]) / count if count else None
+        means[key] = None if mean is None else round(mean * (1000 if key == "gap_ms" else 1), 4)
+    return means
 
 
 async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict]], *,
                             max_tokens: int, groups: set[int], repeat: int = 0) -> Round:
     """Returns the round of `n` clients sharing `chats`, each sending its share in sequence."""
     meter = ForeignLoad(groups).start()
+    sums = await asyncio.to_thread(server_sums, server)
     timings, wall_s = await clients_in_parallel(server, chats, n, max_tokens=max_tokens)
+    means = server_means(sums, await asyncio.to_thread(server_sums, server))
     ok = [t for t in timings if t.ok]
     ttfts = ttft_bounds(timings)
     prompts = [t.prompt_tokens for t in ok if t.prompt_tokens is not None]
@@ -242,6 +276,7 @@ async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict
         mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
         wall_s=wall_s, tok_s=tokens / wall_s, ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
         ttfts_s=tuple(round(t, 4) for t in ttfts), foreign_cpu_share=meter.share(), errors=failures(timings),
+        engine=means,
     )
 
 
@@ -259,7 +294,9 @@ async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Roun
                                             repeat=repeat)
                 log(f"   {r.tok_s:.1f} tok/s, TTFT p50 {fmt(r.ttft_p50_s)} s p99 {fmt(r.ttft_p99_s)} s, "
                     f"{r.num_errors} errors, {r.num_retries} retries, wall {r.wall_s:.1f} s, "
-                    f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}")
+                    f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}"
+                    + (f"; in the engine: TTFT {fmt(r.engine['ttft_s'])} s, queue {fmt(r.engine['queue_s'])} s, "
+                       f"token gap {fmt(r.engine['gap_ms'])} ms" if r.engine else ""))
                 rounds.append(r)
                 save()
 
