@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue #16's GPU measurements in one device call (the device tool allows 10 minutes a
 # call and 30 a session, so one call must carry everything). Run from the repository root
-# on the GPU machine, after `../shared/gpu/prepare-wheels.sh .gpu` here and a first call
+# on the GPU machine, after `bash bench/gpu_prepare.sh` here and a first call
 # that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
-#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,save,prefill,batch,ready,restore,restore8,
-#                                  # quant,throughput,agents,70b,quant70b
+#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,ready,restore,
+#                                  # restore8,quant,throughput,agents,70b,quant70b
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -55,6 +55,8 @@ case ",$STEPS," in *,host,*)
 case ",$STEPS," in *,kernels,*)
   step python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py \
     tests/kernels/test_cuda_driver.py 2>&1 | tail -30 ;; esac
+case ",$STEPS," in *,attention,*)  # what a new attention shape costs (cuDNN graphs)
+  step python3 bench/attention_graphs.py --shape 8b --out "$OUT/attention_graphs.json" 2>&1 | tail -20 ;; esac
 case ",$STEPS," in *,save,*)
   step python3 bench/save_step.py --shape 8b --tokens 25417 --out "$OUT/save_step.json" | tail -80 ;; esac
 case ",$STEPS," in *,prefill,*)
