@@ -226,35 +226,48 @@ class Round:
     errors: tuple[str, ...]
     # omlx only, from its /metrics: means over the round of the engine's own figures, so that
     # what the HTTP side adds shows (submission is after the prompt is tokenized)
-    engine: dict | None = None  # ttft_s (submission to first token), queue_s, gap_ms (between tokens)
+    # ttft_s (submission to first token), queue_s, gap_ms (between tokens); the engine thread's
+    # seconds per phase of its steps over the round (phases_s), its steps and prefill calls
+    engine: dict | None = None
 
 
 SERVER_SERIES = {"ttft_s": "omlx_time_to_first_token_seconds", "queue_s": "omlx_queue_seconds",
                  "gap_ms": "omlx_inter_token_seconds"}
+ENGINE_COUNTERS = ("omlx_engine_phase_seconds_total", "omlx_engine_steps_total", "omlx_engine_prefill_calls_total")
 
 
-def server_sums(server: ServerProcess) -> dict[str, tuple[float, float]] | None:
-    """Returns omlx's (sum, count) of each SERVER_SERIES histogram; None for another server."""
+def server_sums(server: ServerProcess) -> dict[str, float] | None:
+    """Returns omlx's histogram sums and counts (SERVER_SERIES) and engine counters
+    (ENGINE_COUNTERS, by phase), each summed over its models; None for another server."""
     if server.name != "omlx":
         return None
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    sums: dict[str, tuple[float, float]] = {}
-    for key, name in SERVER_SERIES.items():
-        values = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + suffix))
-                  for suffix in ("_sum", "_count")]
-        sums[key] = (values[0], values[1])
+    sums: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
+        name, _, rest = line.partition("{")
+        if line.startswith("#") or not rest:
+            continue
+        phase = rest.split('phase="', 1)[1].split('"', 1)[0] if 'phase="' in rest else ""
+        key = f"{name}:{phase}" if phase else name
+        sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return sums
 
 
 def server_means(before: dict | None, after: dict | None) -> dict | None:
-    """Returns each series' mean between two `server_sums`."""
+    """Returns the means of SERVER_SERIES and the engine counters' growth between two `server_sums`."""
     if before is None or after is None:
         return None
-    means = {}
-    for key in SERVER_SERIES:
-        count = after[key][1] - before[key][1]
-        mean = (after[key][0] - before[key][0]) / count if count else None
-        means[key] = None if mean is None else round(mean * (1000 if key == "gap_ms" else 1), 4)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    means: dict = {}
+    for key, name in SERVER_SERIES.items():
+        count = grew(name + "_count")
+        means[key] = round(grew(name + "_sum") / count * (1000 if key == "gap_ms" else 1), 4) if count else None
+    phases = sorted({k.split(":", 1)[1] for k in after if k.startswith(ENGINE_COUNTERS[0] + ":")})
+    means["phases_s"] = {phase: round(grew(f"{ENGINE_COUNTERS[0]}:{phase}"), 4) for phase in phases}
+    means["steps"] = int(grew(ENGINE_COUNTERS[1]))
+    means["prefill_calls"] = int(grew(ENGINE_COUNTERS[2]))
     return means
 
 
@@ -296,7 +309,9 @@ async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Roun
                     f"{r.num_errors} errors, {r.num_retries} retries, wall {r.wall_s:.1f} s, "
                     f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}"
                     + (f"; in the engine: TTFT {fmt(r.engine['ttft_s'])} s, queue {fmt(r.engine['queue_s'])} s, "
-                       f"token gap {fmt(r.engine['gap_ms'])} ms" if r.engine else ""))
+                       f"token gap {fmt(r.engine['gap_ms'])} ms, {r.engine['steps']} steps, "
+                       f"{r.engine['prefill_calls']} prefill calls, seconds by phase {r.engine['phases_s']}"
+                       if r.engine else ""))
                 rounds.append(r)
                 save()
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -31,6 +31,11 @@ from appliance.spec import BatchingSpec
 log = logging.getLogger("omlx.engine")
 
 RECENT_REQUESTS = 256
+# The phases of the engine thread's time (Engine.phase_s): admitting requests (cache
+# lookups and restores), starting prompts (their batched prefill), decoding, handing tokens
+# out (finished requests' saves included), advancing a long prompt by a chunk, and saving
+# the blocks prompts computed.
+PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
 # The warm-up: what a first chat request needs (template, tokenizer, a prefill, decode
 # steps greedy and sampled, the detokenizer), run before the model counts as ready.
 WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
@@ -123,6 +128,11 @@ class Engine:
         # Measured, for restore-or-recompute; kept in the store, which keeps it across restarts.
         self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
+        # Where the engine thread's time goes, in seconds per phase of a step (PHASES), with
+        # the steps and batched-start prefill calls counted: read by /metrics.
+        self.phase_s: Counter[str] = Counter()
+        self.num_steps = 0
+        self.num_prefill_calls = 0
         self.on_finished: Callable[[RequestStats], None] | None = None  # metrics, on this thread
         self.on_device_lost: Callable[[str], None] | None = None  # the process must restart; on this thread
         self._cond = threading.Condition()
@@ -300,7 +310,9 @@ class Engine:
             for slot in commands.cancelled:
                 self._drop(slot, "cancelled")
             self._waiting.extend(s for s in commands.submitted if not s.done)
+            started = time.perf_counter()
             self._admit()
+            self.phase_s["admit"] += time.perf_counter() - started
             if self._running:
                 self._step()
         for slot in [*self._waiting, *self._running.values()]:
@@ -397,16 +409,24 @@ class Engine:
 
     def _step(self) -> None:
         """One scheduler step: start and decode, hand the tokens out, then advance a prefill."""
+        scheduler = self._scheduler
         try:
-            prefilled, generated = self._scheduler.step()
+            prefilled, generated = scheduler.step()
         except Exception as e:
             return self._failed(e)
+        t0 = time.perf_counter()
         self._deliver(prefilled, generated)
+        t1 = time.perf_counter()
         try:
-            self._scheduler.advance()
+            scheduler.advance()
         except Exception as e:
             return self._failed(e)
+        t2 = time.perf_counter()
         self._save_computed()
+        self.phase_s.update({"start": scheduler.last_start_s, "decode": scheduler.last_decode_s,
+                             "deliver": t1 - t0, "advance": t2 - t1, "save": time.perf_counter() - t2})
+        self.num_steps += 1
+        self.num_prefill_calls += scheduler.last_prefill_calls
 
     def _save_computed(self) -> None:
         """Saves the full prompt blocks that running requests computed, at most one

@@ -138,6 +138,9 @@ class Scheduler:
         self._start_s_per_token: float | None = None  # measured when prompts were last started
         self._pass_s: float | None = None  # the fastest decode step yet: what one more model call costs
         self._shape = model_shape(model)  # bounds each prefill call by free memory
+        # The last step's halves, in seconds, and its prefill calls (for the engine's counters).
+        self.last_start_s = self.last_decode_s = 0.0
+        self.last_prefill_calls = 0
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)
@@ -168,8 +171,11 @@ class Scheduler:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
         with mx.stream(generation_stream):
+            t0 = time.perf_counter()
             started = self._start()
+            t1 = time.perf_counter()
             generated = self._decode()
+        self.last_start_s, self.last_decode_s = t1 - t0, time.perf_counter() - t1
         return started, generated
 
     def _start(self) -> list[int]:
@@ -184,6 +190,7 @@ class Scheduler:
             if p.todo <= START_STEPS * self._timed_chunk(p):
                 starting.append(p)
         self._budget_left = self.chunk_tokens
+        self.last_prefill_calls = 0
         if not starting:
             return []
         for p in starting:
@@ -200,6 +207,7 @@ class Scheduler:
                 if padded:
                     started = time.perf_counter()
                     self._prompt(part, todo, length=length)
+                    self.last_prefill_calls += 1
                     self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
                 parts.append(part)
         batch = extend_first(parts)

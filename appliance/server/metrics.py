@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from appliance.engine.engine import PHASES
 from appliance.server.auth import route_kind
 
 if TYPE_CHECKING:
@@ -150,6 +151,11 @@ def model_metrics(app: Appliance) -> Iterator:
     live = GaugeMetricFamily("omlx_requests_live", "Requests running or queued", labels=["model"])
     hits = CounterMetricFamily("omlx_model_cache_hits", "Lookups that restored a prefix", labels=["model"])
     misses = CounterMetricFamily("omlx_model_cache_misses", "Lookups that restored nothing", labels=["model"])
+    phases = CounterMetricFamily("omlx_engine_phase_seconds", "The engine thread's time, by phase of its steps",
+                                 labels=["model", "phase"])
+    steps = CounterMetricFamily("omlx_engine_steps", "Engine steps run", labels=["model"])
+    calls = CounterMetricFamily("omlx_engine_prefill_calls", "Batched prefill calls that started prompts",
+                                labels=["model"])
     for name, entry in list(app.models.items()):
         state.add_metric([name, entry.state], 1)
         engine = entry.engine
@@ -157,11 +163,15 @@ def model_metrics(app: Appliance) -> Iterator:
             continue
         load.add_metric([name], engine.loaded.load_s)
         live.add_metric([name], engine.num_live)
+        for phase in PHASES:
+            phases.add_metric([name, phase], engine.phase_s[phase])
+        steps.add_metric([name], engine.num_steps)
+        calls.add_metric([name], engine.num_prefill_calls)
         if engine.cache is not None:
             counters = engine.cache.counters
             hits.add_metric([name], counters.get("hits", 0))
             misses.add_metric([name], counters.get("misses", 0))
-    yield from (state, load, live, hits, misses)
+    yield from (state, load, live, hits, misses, phases, steps, calls)
 
 
 class CountRequests:

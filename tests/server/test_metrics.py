@@ -65,6 +65,11 @@ def test_counters_move_as_requests_are_served(server: Server):
     # The same chat twice: the second restores its prefix from the memory tier.
     assert moved("omlx_cached_prompt_tokens_total", model=MODEL_NAME, tier="memory") > 0
     assert moved("omlx_model_cache_hits_total", model=MODEL_NAME) >= 1
+    # Where the engine's time went: every request was admitted, started and decoded.
+    assert moved("omlx_engine_steps_total", model=MODEL_NAME) >= 3
+    assert moved("omlx_engine_prefill_calls_total", model=MODEL_NAME) >= 2  # the repeat restored its prompt
+    for phase in ("admit", "start", "decode", "deliver"):
+        assert moved("omlx_engine_phase_seconds_total", model=MODEL_NAME, phase=phase) > 0, phase
 
 
 def test_reconcile_counters_move_with_applies_and_failures(server: Server):
