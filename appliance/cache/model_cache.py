@@ -22,6 +22,15 @@ from appliance.cache.kv import build_batch_cache, cut_blocks
 from appliance.cache.store import HOST, SSD, KVStore
 from appliance.kernels.kv_quant import block_meta, payload_nbytes
 
+# An SSD hit is restored only when its estimated restore, times this, still beats
+# recomputing it. An SSD restore's speed varies with what else the machine is doing, and
+# the estimate comes from a probe or from earlier restores: after a restart on an H200,
+# 8B prompts' SSD restores took 1.9-2.9 times their estimate (reads at a third of the
+# probed rate while the engine pinned host memory), and chosen by margins of 4-33%, each
+# lost to recomputing (by 1.2-2.7 times its TTFT). A wrong recompute forgoes the margin;
+# a wrong restore costs the misestimate, so the margin asked for is wide.
+SSD_RISK = 1.5
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -148,8 +157,9 @@ class ModelCache:
     def worth_restoring(self, lookup: Lookup, *, prefill_tok_s: float | None, count: bool = True) -> Lookup:
         """Returns the prefix of `lookup` whose restore beats recomputing it the most.
 
-        Each block's restore time comes from its tier's measured bandwidth, its recompute
-        time from the model's measured prefill speed; unknown speed means restore all.
+        Each block's restore time comes from its tier's measured bandwidth (an SSD
+        block's times SSD_RISK), its recompute time from the model's measured prefill
+        speed; unknown speed means restore all.
         """
         if not prefill_tok_s:
             if count:
@@ -161,7 +171,7 @@ class ModelCache:
         for n, hit in enumerate(lookup.hits, 1):
             restore_s = self.store.restore_s(hit.tier, hit.use_tokens * self.layout.bytes_per_token)
             restore_by_tier[hit.tier] += restore_s
-            gain += hit.use_tokens / prefill_tok_s - restore_s
+            gain += hit.use_tokens / prefill_tok_s - restore_s * (SSD_RISK if hit.tier == SSD else 1.0)
             if gain > best_gain:
                 best, best_gain = n, gain
         chosen = lookup.truncated(best)
@@ -173,6 +183,7 @@ class ModelCache:
                 "recompute_s": round(lookup.num_tokens / prefill_tok_s, 4),
                 "restore_s_by_tier": {t: round(v, 4) for t, v in restore_by_tier.items()},
                 "restore_gbps": {t: round(self.store.rates[t].bytes_per_s / 1e9, 3) for t in restore_by_tier},
+                "ssd_risk": SSD_RISK,
                 "restore_tokens": chosen.num_tokens, "gain_s": round(best_gain, 4)}
         return chosen
 

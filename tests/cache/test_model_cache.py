@@ -252,6 +252,24 @@ def test_restore_is_skipped_when_recomputing_is_faster(rigs, tmp_path):
     assert rig.cache.counters["recompute_chosen"] == 1
 
 
+@pytest.mark.parametrize("faster, restored", [(1.2, False), (2.0, True)])
+def test_an_ssd_hit_must_beat_recomputing_by_a_margin(rigs, tmp_path, faster, restored):
+    """An SSD restore estimated `faster` times faster than recomputing is chosen only
+    beyond SSD_RISK: its real speed varies with the machine's load."""
+    from appliance.cache.model_cache import SSD_RISK
+
+    assert 1.2 < SSD_RISK < 2.0
+    rig = rigs(tmp_path / "kv", memory=0, host=0)
+    prompt = rig.prompt("What is tested?")
+    rig.run(prompt)
+    rig.store.flush()
+    per_token_s = rig.store.restore_s("ssd", rig.engine.cache.layout.bytes_per_token)
+    rig.engine.prefill_tok_s = 1 / (per_token_s * faster)
+    (warm,) = rig.run(prompt)
+    assert (warm["cached"] > 0) == restored
+    assert rig.cache.last_decision["ssd_risk"] == SSD_RISK
+
+
 @pytest.mark.parametrize("restart", [False, True])
 def test_a_new_question_restores_the_whole_shared_context(rigs, tmp_path, restart):
     from appliance.cache.model_cache import common_prefix
