@@ -8,6 +8,10 @@ scores of one layer at a time, heads x C x 4 bytes per token. Measured on an H20
 an 8B model (BENCHMARKS.md, "GPU"): a 16,384-token call at a 9K context peaks 14.5 GB
 above the weights; 32 query heads at a 25K context make 3.3 MB of scores per token, so
 mlx-lm's batch path asking for 32K tokens in one call wanted ≈ 100 GB and failed.
+
+The generation batch is bounded too (`batch_fits`): mlx-lm's batch cache pads every row
+to the longest, so one 32K-token request decoding beside 31 short ones holds 32 x 32K
+tokens of KV (137 GB for an 8B model), and merging a row into it copies the whole batch.
 """
 
 from __future__ import annotations
@@ -70,3 +74,12 @@ def max_call_tokens(shape: ModelShape | None, *, context_tokens: int, rows: int 
     room = free * (1 - RESERVE_FRACTION) - rows * context_tokens * shape.kv_bytes_per_token  # a grown copy
     per_token = shape.token_bytes + (0 if fused else shape.score_bytes(context_tokens))
     return max(MIN_CALL_TOKENS, int(room // per_token))
+
+
+def batch_fits(shape: ModelShape | None, *, rows: int, tokens: int, free: int | None) -> bool:
+    """Returns whether a generation batch of `rows` rows padded to `tokens` tokens fits in
+    the memory MLX may still take (its merge makes a new copy of the whole batch); true
+    when the shape or the free memory is unknown."""
+    if shape is None or free is None:
+        return True
+    return rows * tokens * shape.kv_bytes_per_token <= free * (1 - RESERVE_FRACTION)

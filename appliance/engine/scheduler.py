@@ -13,6 +13,9 @@ A step has two halves, and the tokens reach clients between them:
   one decode step for every generating request, so a request started here gets its
   first token from this same step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
   previous call computed while the next is computed); on CPUs it is not (`EagerGeneration`).
+  Prompts start only while the generation batch they join fits in memory: it holds
+  every row padded to the longest (`call_budget.batch_fits`). A prompt that does not fit
+  waits, and the prompts behind it with it, until rows finish.
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
   prompt's measured speed (which falls as its context grows) to take about `step_s`,
@@ -33,10 +36,11 @@ import mlx.nn as nn
 from mlx_lm.generate import PromptProcessingBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from appliance.engine.call_budget import max_call_tokens, model_shape
+from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shape
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
-from appliance.engine.prefill import can_prefill, prefill
+from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
 from appliance.engine.sampling import GREEDY
+from appliance.models.memory import free_bytes
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
@@ -138,6 +142,7 @@ class Scheduler:
         self._start_s_per_token: float | None = None  # measured when prompts were last started
         self._pass_s: float | None = None  # the fastest decode step yet: what one more model call costs
         self._shape = model_shape(model)  # bounds each prefill call by free memory
+        self._free = free_bytes  # what MLX may still allocate (a test may stub it)
         # The last step's halves, in seconds, and its prefill calls (for the engine's counters).
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
@@ -182,13 +187,20 @@ class Scheduler:
         """Prefills, in one batched call, the shortest prompts whose padded size fits the
         budget, and moves them into the generation batch."""
         budget = self.chunk_tokens * (1 if len(self._generation) else IDLE_BUDGET_FACTOR)
+        rows, tokens = len(self._generation), self._generation_tokens()
+        free = self._free() if self._prefills and self._shape is not None else None
         starting: list[_Prefill] = []
         for p in sorted(self._prefills, key=lambda p: p.todo):
             # Shortest first: p is the longest of those starting, so the padded size is count x p.todo.
             if (len(starting) + 1) * p.todo > budget:
                 break
-            if p.todo <= START_STEPS * self._timed_chunk(p):
-                starting.append(p)
+            if p.todo > START_STEPS * self._timed_chunk(p):
+                continue
+            tokens = max(tokens, len(p.batch.tokens[0]) + len(p.remaining) + STEP_TOKENS)
+            if (rows or starting) and not batch_fits(self._shape, rows=rows + len(starting) + 1, tokens=tokens,
+                                                     free=free):
+                break  # it waits for rows to finish, and the prompts behind it with it
+            starting.append(p)
         self._budget_left = self.chunk_tokens
         self.last_prefill_calls = 0
         if not starting:
@@ -216,6 +228,12 @@ class Scheduler:
             batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
             batch.stop_sequences, batch.max_tokens))
         return [p.uid for p in starting]
+
+    def _generation_tokens(self) -> int:
+        """Returns the length every row of the generation batch's KV buffers has (0: none)."""
+        caches = getattr(self._generation, "prompt_cache", None) or []
+        keys = getattr(caches[0], "keys", None) if caches else None
+        return 0 if keys is None else int(keys.shape[2])
 
     def advance(self) -> None:
         """Spends the rest of this step's budget on one chunk of the shortest prompt left."""

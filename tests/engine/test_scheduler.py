@@ -242,3 +242,54 @@ def test_a_wave_on_a_gpu_meets_few_shapes_and_gets_the_same_greedy_tokens(loaded
     bucketed, calls = run(shape_tokens=64)
     assert calls == [(4, 64), (2, 128), (1, 192)]  # the lone prompt: its chunk padded to whole shapes
     assert bucketed == run(shape_tokens=1)[0]
+
+
+def test_prompts_wait_while_the_batch_they_would_join_does_not_fit_in_memory(loaded_model):
+    """One long request decodes; seven short ones arrive. The batch pads every row to the
+    long one's length, and memory is stubbed to hold four such rows: three start, the
+    others wait for rows to finish, and every request gets the tokens it gets unhindered."""
+    from appliance.engine.call_budget import RESERVE_FRACTION
+
+    def run(limit_rows: int | None) -> tuple[dict[int, list[int]], int]:
+        s = Scheduler(loaded_model.model, chunk_tokens=2048, step_s=None)
+        out: dict[int, list[int]] = {}
+
+        def add(n: int, seed: int, max_tokens: int) -> None:
+            out[s.insert(tokens(n, seed), max_tokens=max_tokens, cache=None, cached_tokens=[], sampler=GREEDY,
+                         processors=[], stop=StopSequences())] = []
+
+        def step() -> None:
+            for g in s.step()[1]:
+                out[g.uid].append(g.token)
+            s.advance()
+
+        add(1500, 0, max_tokens=12)
+        step()  # the long one starts and decodes
+        if limit_rows is not None:
+            room = limit_rows * s._generation_tokens() * s._shape.kv_bytes_per_token
+            s._free = lambda: int(room / (1 - RESERVE_FRACTION)) + 1
+        for seed in range(1, 8):
+            add(30 + seed, seed, max_tokens=4)
+        most = 0
+        while len(s):
+            step()
+            most = max(most, len(s._generation))
+        return out, most
+
+    limited, most = run(limit_rows=4)
+    assert most == 4  # the long row and three short ones at a time
+    free, most_free = run(limit_rows=None)
+    assert most_free == 8
+    assert limited == free
+    assert all(len(t) == (12 if i == 0 else 4) for i, t in limited.items())
+
+
+def test_a_batch_fits_when_its_padded_rows_fit_under_the_free_memory():
+    from appliance.engine.call_budget import RESERVE_FRACTION, ModelShape, batch_fits
+
+    shape = ModelShape(hidden=64, ffn=128, heads=4, vocab=100, kv_bytes_per_token=1000)
+    free = int(8 * 1000 * 1000 / (1 - RESERVE_FRACTION))
+    assert batch_fits(shape, rows=8, tokens=1000, free=free)
+    assert not batch_fits(shape, rows=9, tokens=1000, free=free)
+    assert batch_fits(None, rows=10**6, tokens=10**6, free=free)  # nothing to judge by
+    assert batch_fits(shape, rows=10**6, tokens=10**6, free=None)
