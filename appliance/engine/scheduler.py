@@ -11,8 +11,9 @@ A step has two halves, and the tokens reach clients between them:
   (`row_groups`, `padded_length`): MLX CUDA builds an attention graph per shape (~0.1 s),
   so a call of a shape not yet seen delays every first token of its step. It then runs
   one decode step for every generating request, so a request started here gets its
-  first token from this same step. On GPUs decoding is pipelined (mlx-lm's GenerationBatch hands out the token its
-  previous call computed while the next is computed); on CPUs it is not (`EagerGeneration`).
+  first token from this same step. On GPUs decoding is pipelined (mlx-lm's
+  GenerationBatch hands out the token its previous call computed while the next is
+  computed); on CPUs it is not (`EagerGeneration`).
   Prompts start only while the generation batch they join fits in memory: it holds
   every row padded to the longest (`call_budget.batch_fits`). A prompt that does not fit
   waits, and the prompts behind it with it, until rows finish.
@@ -188,7 +189,7 @@ class Scheduler:
         budget, and moves them into the generation batch."""
         budget = self.chunk_tokens * (1 if len(self._generation) else IDLE_BUDGET_FACTOR)
         rows, tokens = len(self._generation), self._generation_tokens()
-        free = self._free() if self._prefills and self._shape is not None else None
+        free: list[int | None] = []  # read once, when a prompt would join others (a driver call on CUDA)
         starting: list[_Prefill] = []
         for p in sorted(self._prefills, key=lambda p: p.todo):
             # Shortest first: p is the longest of those starting, so the padded size is count x p.todo.
@@ -197,9 +198,10 @@ class Scheduler:
             if p.todo > START_STEPS * self._timed_chunk(p):
                 continue
             tokens = max(tokens, len(p.batch.tokens[0]) + len(p.remaining) + STEP_TOKENS)
-            if (rows or starting) and not batch_fits(self._shape, rows=rows + len(starting) + 1, tokens=tokens,
-                                                     free=free):
-                break  # it waits for rows to finish, and the prompts behind it with it
+            if (rows or starting) and self._shape is not None:
+                free = free or [self._free()]
+                if not batch_fits(self._shape, rows=rows + len(starting) + 1, tokens=tokens, free=free[0]):
+                    break  # it waits for rows to finish, and the prompts behind it with it
             starting.append(p)
         self._budget_left = self.chunk_tokens
         self.last_prefill_calls = 0
