@@ -241,14 +241,14 @@ def server_sums(server: ServerProcess) -> dict[str, float] | None:
     (ENGINE_COUNTERS, by phase), each summed over its models; None for another server."""
     if server.name != "omlx":
         return None
+    from prometheus_client.parser import text_string_to_metric_families
+
     sums: dict[str, float] = {}
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        name, _, rest = line.partition("{")
-        if line.startswith("#") or not rest:
-            continue
-        phase = rest.split('phase="', 1)[1].split('"', 1)[0] if 'phase="' in rest else ""
-        key = f"{name}:{phase}" if phase else name
-        sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+        phase = sample.labels.get("phase")
+        key = f"{sample.name}:{phase}" if phase else sample.name
+        sums[key] = sums.get(key, 0.0) + sample.value
     return sums
 
 
