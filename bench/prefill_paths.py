@@ -1,8 +1,11 @@
 """One long cold prompt through every prefill path, side by side on one model, with the
 engine's host-side phases timed; then the decode right after it.
 
-Paths (each runs `--runs` times on fresh random prompts of the same length; the last
-counts, the first compiles kernels):
+Paths, in the order `--paths` gives (each runs `--runs` times on fresh random prompts of
+the same length, the last counts and the first compiles kernels; with `--new-lengths`
+every run's prompt has a length no run before it had, as a user's next prompt does, and
+MLX CUDA meets new attention shapes as a server would; the paths share one process, so
+put the one that must not profit from the others' compiled graphs first):
 - `generate_step`: mlx-lm's own single-request path (chunked prefill, then decode);
 - `forward`: the bare chunked forward pass into KVCaches (the floor);
 - `batch_generator`: mlx-lm's BatchGenerator (what mlx_lm.server runs);
@@ -282,6 +285,8 @@ def main() -> int:
     parser.add_argument("--paths", default="probe,generate_step,forward,batch_generator,engine_mlx_batch,"
                                            "engine,engine_cache")
     parser.add_argument("--probe-sizes", default="2048,4096,8192,16384")
+    parser.add_argument("--new-lengths", action="store_true",
+                        help="every run a prompt length not seen before (MLX CUDA builds graphs per shape)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     paths = args.paths.split(",")
@@ -309,11 +314,13 @@ def main() -> int:
     rng = random.Random(0)
     limits = BatchingSpec(prefill_chunk_tokens=args.chunk, prefill_step_ms=args.step_ms, max_running=32)
 
+    lengths = iter(range(args.tokens, 0, -61))  # --new-lengths: every run a length not seen before
+
     def record(name: str, fn) -> None:
         runs = []
         mx.clear_cache()
         for i in range(args.runs):  # no clear_cache between runs: a server reuses its buffers too
-            runs.append(fn(prompt_of(rng, args.tokens)))
+            runs.append(fn(prompt_of(rng, next(lengths) if args.new_lengths else args.tokens)))
             runs[-1]["phases"] = phase_summary()
             log(f"{name} run {i}: {json.dumps({k: v for k, v in runs[-1].items() if k != 'phases'})}")
             log(f"  phases: {json.dumps(runs[-1]['phases'])}")
@@ -321,15 +328,17 @@ def main() -> int:
         write(results)
         mx.clear_cache()
 
-    if "generate_step" in paths:
+    def generate_step_path() -> None:
         record("generate_step", lambda p: run_generate_step(model, p, chunk=args.chunk, decode=args.decode))
-    if "forward" in paths:
+
+    def forward_path() -> None:
         record("forward", lambda p: run_forward(model, p, chunk=args.chunk))
         record("forward_clear_cache", lambda p: run_forward(model, p, chunk=args.chunk, clear=True))
-    if "batch_generator" in paths:
+
+    def batch_generator_path() -> None:
         record("batch_generator", lambda p: run_batch_generator(model, p, chunk=args.chunk, decode=args.decode))
-    instrument()
-    if "engine_mlx_batch" in paths:  # the engine as it was: mlx-lm's prefill and masks
+
+    def engine_mlx_batch_path() -> None:  # the engine as it was: mlx-lm's prefill and masks
         from mlx_lm.models.cache import BatchKVCache
 
         own, own_cache = scheduler.Scheduler._prompt, scheduler.BatchCache
@@ -339,19 +348,21 @@ def main() -> int:
         record("engine_mlx_batch", lambda p: run_engine(engine, p, decode=args.decode))
         engine.stop(drain_s=0)
         scheduler.Scheduler._prompt, scheduler.BatchCache = own, own_cache
-    if "engine" in paths:
-        engine = Engine(loaded, limits).start()
+
+    def engine_path() -> None:
+        engine = Engine(loaded, limits).start_warm()  # as a server: ready once warmed up
         record("engine", lambda p: run_engine(engine, p, decode=args.decode))
         engine.stop(drain_s=0)
-    if "engine_cache" in paths:
+
+    def engine_cache_path() -> None:
         with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp:
             store = KVStore(root=Path(tmp) / "kv", memory_bytes=32 << 30, host_bytes=64 << 30,
                             ssd_bytes=256 << 30)
             cache = ModelCache(store, weights=f"bench-{args.shape}", compute_dtype="bfloat16",
                                layout=probe_layout(model), block_tokens=512)
-            engine = Engine(loaded, limits, cache=cache).start()
+            engine = Engine(loaded, limits, cache=cache).start_warm()
             record("engine_cache", lambda p: run_engine(engine, p, decode=args.decode))
-            repeat = prompt_of(rng, args.tokens)
+            repeat = prompt_of(rng, next(lengths) if args.new_lengths else args.tokens)
             runs = []
             for label in ("cold", "memory_hit", "memory_hit_again"):
                 runs.append({"label": label, **run_engine(engine, repeat, decode=args.decode)})
@@ -362,6 +373,16 @@ def main() -> int:
             results["store"] = store.stats()
             engine.stop(drain_s=0)
             store.close()
+
+    runners = {"generate_step": generate_step_path, "forward": forward_path, "batch_generator": batch_generator_path,
+               "engine_mlx_batch": engine_mlx_batch_path, "engine": engine_path, "engine_cache": engine_cache_path}
+    instrumented = False
+    for name in paths:  # in the order given: each path's first run meets the graphs those before it built
+        if name.startswith("engine") and not instrumented:
+            instrument()
+            instrumented = True
+        if name in runners:
+            runners[name]()
     results["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
     summary(results)
     write(results)

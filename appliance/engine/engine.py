@@ -430,19 +430,21 @@ class Engine:
 
     def _save_computed(self) -> None:
         """Saves the full prompt blocks that running requests computed, at most one
-        prefill chunk's worth a step, so each copy follows the chunk that made it (the
-        last chunks, prefilled with the first token, over the next few steps) and
-        concurrent requests share a long prompt's prefix before it finishes.
+        prefill chunk's worth a step (or what the step advanced), so each copy follows
+        the chunk that made it (the last chunks, prefilled with the first token, over the
+        next few steps) and concurrent requests share a long prompt's prefix before it
+        finishes.
 
         Saved all at once after the prefill, a 25K-token prompt's 50 blocks stalled the
-        next decode step by 110-145 ms on an H200 (BENCHMARKS.md, "GPU"). Full blocks
+        next decode step by 110-145 ms on an H200 (BENCHMARKS.md, "GPU"). A lone prompt
+        advances by several chunks a step, and the saves keep pace with it. Full blocks
         only: the prompt's partial tail block is saved once, at the finish, with the
         generated tokens (and whatever this left, if it finishes first).
         """
         if self.cache is None:
             return
         b = self.cache.block_tokens
-        budget = max(self.limits.prefill_chunk_tokens, b)
+        budget = max(self.limits.prefill_chunk_tokens, b, self._scheduler.last_advanced_tokens)
         for slot in list(self._running.values()):
             full = slot.stats.prompt_tokens // b * b
             if slot.saved_tokens >= full:

@@ -8,8 +8,18 @@ scores (heads x chunk x context) and runs ~5x slower at 25K tokens on an H200
 the KV buffers one chunk at a time (a copy of the whole cache per chunk).
 
 A batch of one without padding needs none of that: `prefill` runs the chunks through
-plain `KVCache`s that share the `BatchKVCache`s' buffers (so the mask is "causal"),
-reserves the whole prompt's room once, and hands the buffers back.
+plain `KVCache`s that share the `BatchKVCache`s' buffers (so the mask is "causal") and
+hands the buffers back. Each chunk is queued on the device before the previous one is
+waited for, so the host builds the next chunk (and MLX CUDA its attention graph) while
+the device runs this one.
+
+Where shapes are free (CPUs) the whole prompt's room is reserved once. On GPUs the
+buffers grow with the context, a chunk at a time, as mlx-lm's KVCache grows them: MLX
+CUDA builds a cuDNN attention graph for each shape *and stride* it meets (~50 ms on an
+H200, bench/attention_graphs.py), and a buffer sized to the prompt gives every chunk of
+every new prompt length new strides. Grown with the context, a chunk's (queries,
+context, buffer) are the same for every prompt, so each graph is built once per process.
+Growing copies the cache once per chunk, ~1 ms at a 25K context there.
 
 Read from mlx-lm 0.32.2 (`models/cache.py`): `BatchKVCache` keeps `keys`/`values`
 as [B, heads, allocated, dim] with the tokens at [left_padding, size()), `offset` =
@@ -45,16 +55,21 @@ def prefill(batch: PromptProcessingBatch, tokens: list[int], *, chunk_tokens: in
 
     A last chunk shorter than a multiple of `shape_tokens` is padded up to one and the
     padding's KV dropped again (causal attention: no real token sees the padding), so
-    a GPU meets few distinct shapes, each compiled once.
+    a GPU meets few distinct shapes, each compiled once. With `shape_tokens` > 1 the
+    buffers grow with the context instead of being reserved (see the module's
+    docstring). Two chunks may be on the device at once: size `chunk_tokens` for that.
     """
     if not tokens:
         return
     batch.tokens[0] += tokens
     caches = [_plain(c) for c in batch.prompt_cache]
     total = caches[0].offset + len(tokens) + shape_tokens - 1  # room for the padding
+    reserving = shape_tokens <= 1  # see the module's docstring
     ids = mx.array(tokens)[None]
-    for c in caches:
-        reserve(c, total)
+    if reserving:
+        for c in caches:
+            reserve(c, total)
+    queued = None  # the previous chunk's marker: waited for once this chunk is queued behind it
     for start in range(0, len(tokens), chunk_tokens):
         piece = ids[:, start:start + chunk_tokens]
         pad = -piece.shape[1] % shape_tokens
@@ -63,10 +78,16 @@ def prefill(batch: PromptProcessingBatch, tokens: list[int], *, chunk_tokens: in
         batch.model(piece, cache=caches)
         for c in caches:
             c.offset -= pad
-        if start == 0:  # the buffers exist now, if they did not before
+        if start == 0 and reserving:  # the buffers exist now, if they did not before
             for c in caches:
                 reserve(c, total)
-        mx.eval([(c.keys, c.values) for c in caches])
+        last = caches[-1]
+        marker = mx.sum(last.values[..., last.offset - 1, :1])  # the chunk's last write
+        mx.async_eval([(c.keys, c.values) for c in caches], marker)
+        if queued is not None:  # at most two chunks' transient memory at once
+            mx.eval(queued)
+        queued = marker
+    mx.eval([(c.keys, c.values) for c in caches])
     for b, c in zip(batch.prompt_cache, caches):
         b.keys, b.values = c.keys, c.values
         set_size(b, c.offset)

@@ -21,8 +21,9 @@ A step has two halves, and the tokens reach clients between them:
   that is too long to start at once. With `step_s` set, the chunk is sized from that
   prompt's measured speed (which falls as its context grows) to take about `step_s`,
   so streams decoding beside a long prompt wait at most about that long. A prompt
-  prefilled alone gets `ALONE_STEPS` times longer slices: tiny chunks cost it
-  throughput, and only a request yet to arrive would wait. A prompt counts as too long
+  prefilled alone gets `ALONE_STEPS` times longer slices, of as many chunks as fit, each
+  queued on the device behind the last: tiny chunks cost it throughput, and only a
+  request yet to arrive would wait. A prompt counts as too long
   to start at once when it would take more than `START_STEPS` such chunks.
 """
 
@@ -147,6 +148,7 @@ class Scheduler:
         # The last step's halves, in seconds, and its prefill calls (for the engine's counters).
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
+        self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)
@@ -239,11 +241,15 @@ class Scheduler:
 
     def advance(self) -> None:
         """Spends the rest of this step's budget on one chunk of the shortest prompt left."""
+        self.last_advanced_tokens = 0
         pending = [p for p in self._prefills if p.todo > 0]
         if self._budget_left <= 0 or not pending:
             return
         p = min(pending, key=lambda p: p.todo)
-        n = min(p.todo, self._budget_left, self._timed_chunk(p))
+        if self._alone():  # nothing decodes beside it: a whole time slice, its chunks queued back to back
+            n = min(p.todo, self._timed_chunk(p, most=p.todo))
+        else:
+            n = min(p.todo, self._budget_left, self._timed_chunk(p))
         if n < p.todo:  # a cut chunk keeps to whole shapes; the prompt's last one is padded
             n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
@@ -252,6 +258,7 @@ class Scheduler:
             self._prompt(p.batch, [p.remaining[:n]])
         p.s_per_token = self._measured(started, n, p.s_per_token)
         p.remaining = p.remaining[n:]
+        self.last_advanced_tokens = n
 
     def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> None:
         """Prefills `todo` (one token list per row of `batch`) into its cache: a lone
@@ -260,7 +267,7 @@ class Scheduler:
         longest = max(len(t) for t in batch.tokens) + max(len(t) for t in todo)  # the context at the end
         if len(todo) == 1 and can_prefill(batch):
             cap = max_call_tokens(self._shape, context_tokens=longest)
-            chunk = min(self.chunk_tokens, cap or self.chunk_tokens)
+            chunk = min(self.chunk_tokens, cap // 2 if cap else self.chunk_tokens)  # two queued at once
             if chunk < self.chunk_tokens:
                 chunk = max(self.shape_tokens, chunk // self.shape_tokens * self.shape_tokens)
             prefill(batch, todo[0], chunk_tokens=chunk, shape_tokens=self.shape_tokens)
@@ -280,17 +287,21 @@ class Scheduler:
             return previous  # too few tokens to time
         return (time.perf_counter() - started) / num_tokens
 
-    def _timed_chunk(self, p: _Prefill) -> int:
+    def _timed_chunk(self, p: _Prefill, *, most: int | None = None) -> int:
         """Returns how many of `p`'s tokens take about `step_s` (`ALONE_STEPS` times that
         while nothing else is running: small chunks cost a lone prompt throughput, and
         only a request yet to arrive would wait), at its own last measured speed, else at
-        the speed prompts were last started with."""
+        the speed prompts were last started with; at most `most` (default: one chunk)."""
+        most = most or self.chunk_tokens
         s_per_token = p.s_per_token or self._start_s_per_token
         if self.step_s is None or not s_per_token:
             return self.chunk_tokens
-        alone = not len(self._generation) and len(self._prefills) == 1
-        step_s = self.step_s * (ALONE_STEPS if alone else 1)
-        return max(MIN_CHUNK_TOKENS, min(self.chunk_tokens, int(step_s / s_per_token)))
+        step_s = self.step_s * (ALONE_STEPS if self._alone() else 1)
+        return max(MIN_CHUNK_TOKENS, min(most, int(step_s / s_per_token)))
+
+    def _alone(self) -> bool:
+        """Returns whether one prompt is prefilling and nothing is decoding."""
+        return not len(self._generation) and len(self._prefills) == 1
 
     def _pass_tokens(self) -> float:
         """Returns what one more model call costs, in prompt tokens' worth of prefill time."""

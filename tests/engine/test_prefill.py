@@ -1,5 +1,6 @@
 """A lone prompt's prefill through plain KVCaches: the same cache and logits as mlx-lm's
-batch path, buffers grown once, and the caches' layout as read from mlx-lm."""
+batch path, buffers grown once (or, where shapes matter, with the context), and the
+caches' layout as read from mlx-lm."""
 
 from __future__ import annotations
 
@@ -67,6 +68,30 @@ def test_the_buffers_are_grown_once_for_the_whole_prompt(loaded_model):
     prefill(ours, tokens(1000), chunk_tokens=128)
     c = ours.prompt_cache[0]
     assert c.keys.shape[2] == (1000 // STEP_TOKENS + 1) * STEP_TOKENS  # room to decode, no regrowth
+
+
+def test_with_shapes_the_buffers_grow_with_the_context(loaded_model, monkeypatch):
+    # MLX CUDA keys its attention graphs on the buffer's length too: every prompt's full
+    # chunks must meet the same (context, buffer), whatever the prompt's length.
+    model, seen = loaded_model.model, []
+    update = KVCache.update_and_fetch
+
+    def recording(self, keys, values):
+        out = update(self, keys, values)
+        seen.append((out[0].shape[2], self.keys.shape[2]))  # (context, buffer), every layer alike
+        return out
+
+    monkeypatch.setattr(KVCache, "update_and_fetch", recording)
+    shapes = {}
+    for n in (1000, 700):
+        ours = batch_of_one(model, [BatchCache([0]) for _ in make_prompt_cache(model)])
+        seen.clear()
+        prefill(ours, tokens(n, seed=n), chunk_tokens=256, shape_tokens=256)
+        shapes[n] = list(dict.fromkeys(seen))
+        assert ours.prompt_cache[0].size() == n
+        assert ours.prompt_cache[0].keys.shape[2] == -(-n // 256) * 256  # no reserved room
+    assert shapes[1000] == [(256, 256), (512, 512), (768, 768), (1024, 1024)]
+    assert shapes[700] == shapes[1000][:3]
 
 
 def test_reserve_keeps_what_the_cache_holds():

@@ -116,6 +116,24 @@ def test_a_prompt_prefilled_alone_gets_longer_time_slices(loaded_model):
     assert abs(s._timed_chunk(long) - 100) <= 1
 
 
+def test_a_lone_prompts_slice_spans_several_chunks(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=128, step_s=None)
+    insert(s, tokens(3000))
+    long = s._prefills[0]
+    s.step()
+    s.advance()  # measures its speed: one chunk
+    s.step_s = 300 * long.s_per_token / ALONE_STEPS  # an alone slice is 300 of its tokens
+    before = long.todo
+    s.step()
+    s.advance()
+    assert abs((before - long.todo) - 300) <= 1 and s.last_advanced_tokens == before - long.todo
+    insert(s, tokens(3000, seed=1))  # no longer alone: one chunk at most
+    before = long.todo
+    s.step()
+    s.advance()
+    assert before - long.todo <= 128
+
+
 def test_without_a_time_slice_chunks_are_sized_by_tokens(loaded_model):
     s = Scheduler(loaded_model.model, chunk_tokens=128, step_s=None)
     insert(s, tokens(700))  # more than four idle budgets of 128
