@@ -66,8 +66,9 @@ def probe_layout(model: nn.Module) -> KVLayout | None:
 
 
 def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip_tokens: int,
-               is_known: Callable[[bytes], bool]) -> list[KVBlock]:
-    """Returns evaluated copies of the blocks of `tokens` held in `cache` (batch of one).
+               is_known: Callable[[bytes], bool], wait: bool = True) -> list[KVBlock]:
+    """Returns copies of the blocks of `tokens` held in `cache` (batch of one), evaluated
+    unless `wait` is false (the caller then evaluates them, with others).
 
     Full blocks and the final partial block are cut from `skip_tokens` on; blocks whose
     key `is_known` are not copied again. Runs of up to CUT_RUN_BLOCKS adjacent blocks are
@@ -93,7 +94,8 @@ def cut_blocks(cache: list[KVCache], tokens: list[int], space: KeySpace, *, skip
             at = slice(start - first, start - first + len(piece))
             blocks.append(KVBlock(key, parent, space.dir, piece, mx.contiguous(keys[:, :, at]),
                                   mx.contiguous(values[:, :, at])))
-    mx.eval([(blk.keys, blk.values) for blk in blocks])
+    if wait:
+        mx.eval([(blk.keys, blk.values) for blk in blocks])
     return blocks
 
 

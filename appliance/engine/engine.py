@@ -19,7 +19,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.cache.model_cache import ModelCache
+from appliance.cache.model_cache import ModelCache, Saving
 from appliance.engine.request import Finished, GenerationRequest, RequestStats, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
@@ -399,11 +399,20 @@ class Engine:
               skip_tokens: int | None = None) -> None:
         """Stores the request's new KV blocks (prompt and generated tokens), those of
         `tokens` past `skip_tokens` (default: past its restored prefix)."""
-        if self.cache is None or not cache or not tokens:
+        self._save_all([(slot, cache, tokens)], skip_tokens=skip_tokens)
+
+    def _save_all(self, finished: list[tuple[Slot, list | None, list[int] | None]], *,
+                  skip_tokens: int | None = None) -> None:
+        """`_save` for several requests, with one wait for the device (`ModelCache.save_all`)."""
+        if self.cache is None:
+            return
+        savings = [Saving(cache, tokens, slot.request.tenant,
+                          slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
+                   for slot, cache, tokens in finished if cache and tokens]
+        if not savings:
             return
         try:
-            self.cache.save(cache, tokens, tenant=slot.request.tenant,
-                            skip_tokens=slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
+            self.cache.save_all(savings)
         except Exception:
             log.exception("cache save failed on model %s", self.loaded.name)
 
@@ -476,7 +485,7 @@ class Engine:
         started = [self._running[uid] for uid in prefilled if uid in self._running]
         for slot in started:
             slot.stats.prefilled_at = now
-        deliveries = []
+        deliveries, finished, ended = [], [], []
         for r in generated:
             slot = self._running.get(r.uid)
             if slot is None:
@@ -486,10 +495,13 @@ class Engine:
                 if r.finish_reason is None:  # a stop string: the scheduler still holds it
                     self._remove(slot)
                 else:
-                    self._save(slot, r.cache, r.tokens)
+                    finished.append((slot, r.cache, r.tokens))
                 del self._running[r.uid]
-                events.append(self._finished(slot, reason))
+                ended.append((slot, reason, events))
             deliveries.append((slot.handle, events))
+        self._save_all(finished)  # saved before their ends are told: a next turn finds them
+        for slot, reason, events in ended:
+            events.append(self._finished(slot, reason))
         _push_all(deliveries)
         for slot in started:  # after the tokens went out
             self._prefilled(slot, now)

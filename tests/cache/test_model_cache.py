@@ -231,6 +231,29 @@ def test_concurrent_requests_sharing_a_prefix(rigs, tmp_path):
     assert later["cached"] >= (len(a) - 20) // BLOCK * BLOCK  # the shared system prompt's blocks
 
 
+def test_requests_finishing_together_are_saved_with_one_wait(rigs, tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    from appliance.cache import model_cache
+
+    rig = rigs(tmp_path / "kv", host=0, ssd=0)
+    model = rig.loaded.model
+    a, b = rig.prompt("What does this code do?"), rig.prompt("Who maintains this code?")
+    caches = []
+    for p in (a, b):
+        caches.append(mlx_lm.models.cache.make_prompt_cache(model))
+        model(mx.array(p)[None], cache=caches[-1])
+    waits = []
+    real_eval = mx.eval
+    monkeypatch.setattr(model_cache.mx, "eval", lambda *args: waits.append(1) or real_eval(*args))
+    saved = rig.cache.save_all([model_cache.Saving(caches[0], a), model_cache.Saving(caches[1], b)])
+    assert len(waits) == 2  # the blocks' copies, then their bytes: not two per request
+    shared = model_cache.common_prefix(a, b) // BLOCK  # the full blocks both hold: cut once
+    assert saved == rig.cache.counters["saved_blocks"] == -(-len(a) // BLOCK) + -(-len(b) // BLOCK) - shared
+    for p in (a, b):
+        assert rig.cache.lookup(p).num_tokens == len(p) - 1
+
+
 def test_tenants_never_share_blocks(rigs, tmp_path):
     rig = rigs(tmp_path / "kv")
     prompt = rig.prompt("Explain the eviction policy.")
@@ -268,6 +291,22 @@ def test_an_ssd_hit_must_beat_recomputing_by_a_margin(rigs, tmp_path, faster, re
     (warm,) = rig.run(prompt)
     assert (warm["cached"] > 0) == restored
     assert rig.cache.last_decision["ssd_risk"] == SSD_RISK
+
+
+@pytest.mark.parametrize("call_s, restored", [(0.5, False), (0.001, True)])
+def test_a_hit_must_pay_for_the_restore_call_itself(rigs, tmp_path, call_s, restored):
+    """A restore costs a measured fixed time beyond its bytes (looking up, assembling the
+    cache, a device wait): a memory hit whose recompute is cheaper than that is recomputed."""
+    rig = rigs(tmp_path / "kv")
+    prompt = rig.prompt("What is tested?")
+    rig.run(prompt)
+    rig.engine.prefill_tok_s = len(prompt) / 0.2  # recomputing the prompt takes 0.2 s
+    rig.cache.restore_call_s = call_s
+    (warm,) = rig.run(prompt)
+    assert (warm["cached"] > 0) == restored
+    assert rig.cache.last_decision["restore_call_s"] == call_s
+    if restored:  # measured again on that restore, from memory
+        assert rig.cache.restore_call_s != call_s
 
 
 @pytest.mark.parametrize("restart", [False, True])

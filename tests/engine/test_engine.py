@@ -144,16 +144,17 @@ def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_
     cache = ModelCache(store, weights="cd" * 32, compute_dtype="float32",
                        layout=probe_layout(loaded_model.model), block_tokens=block)
     saves, seen = [], {}
-    real = cache.save
+    real = cache.save_all
 
-    def spy(kv, tokens, *, tenant, skip_tokens):
+    def spy(savings):
         first = seen.get("stats") is not None and seen["stats"].first_token_at is not None
-        saves.append((skip_tokens, len(tokens), first))
-        return real(kv, tokens, tenant=tenant, skip_tokens=skip_tokens)
+        saves.extend((s.skip_tokens, len(s.tokens), first) for s in savings)
+        return real(savings)
 
-    monkeypatch.setattr(cache, "save", spy)
-    eng = Engine(loaded_model, BatchingSpec(max_running=2, max_queued=2, prefill_chunk_tokens=chunk),
-                 cache=cache).start()
+    monkeypatch.setattr(cache, "save_all", spy)
+    # Chunks sized by tokens (a lone prompt's time slice would span several of them).
+    limits = BatchingSpec(max_running=2, max_queued=2, prefill_chunk_tokens=chunk, prefill_step_ms=0)
+    eng = Engine(loaded_model, limits, cache=cache).start()
     prompt = tuple(range(1000, 1600))  # 600 tokens: chunks of 64, then the rest at once
     full = len(prompt) // block * block
     try:
