@@ -200,13 +200,13 @@ class KVStore:
     def children(self, parent: bytes, dir: str) -> dict[bytes, tuple[tuple[int, ...], str]]:
         """Returns the stored blocks that follow `parent`: key -> (tokens, fastest tier)."""
         found: dict[bytes, tuple[tuple[int, ...], str]] = {}
-        if self.ssd is not None:
-            for key, tokens in self.ssd.children(parent, dir=dir):
-                found[key] = (tokens, SSD)
         for tier, name in ((self.host, HOST), (self.memory, MEMORY)):
             for b in tier.values():
                 if b.parent == parent and b.dir == dir:
                     found[b.key] = (b.tokens, name)
+        if self.ssd is not None:  # a file's header is read only for blocks no faster tier holds
+            for key, tokens in self.ssd.children(parent, dir=dir, skip=found.keys()):
+                found[key] = (tokens, SSD)
         return found
 
     def fetch_all(self, wanted: list[tuple[bytes, tuple[int, ...]]], *, dir: str) -> list[Fetched]:

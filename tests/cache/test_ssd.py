@@ -80,6 +80,23 @@ def test_putting_a_stored_key_again_writes_nothing(tier: SsdTier):
     assert tier.stats()["writes"] == 1 and len(kv_files(tier.root)) == 1
 
 
+def test_children_read_the_headers_of_those_not_skipped(tier: SsdTier, monkeypatch):
+    from appliance.cache import ssd
+
+    root = hashlib.sha256(b"root").digest()
+    blocks = [Block(key=make_block(i).key, parent=root, dir=DIR, tokens=(i, i + 1), meta={}, payload=b"x" * 64)
+              for i in range(3)]
+    for b in blocks:
+        tier.put(b)
+    reads = []
+    real = ssd.read_tokens
+    monkeypatch.setattr(ssd, "read_tokens", lambda path, **kw: reads.append(path) or real(path, **kw))
+    assert sorted(tier.children(root, dir=DIR)) == sorted((b.key, b.tokens) for b in blocks)
+    reads.clear()
+    assert tier.children(root, dir=DIR, skip={blocks[0].key, blocks[1].key}) == [(blocks[2].key, blocks[2].tokens)]
+    assert reads == [path_of(tier, blocks[2])]
+
+
 def test_longest_prefix_counts_leading_stored_keys(tier: SsdTier):
     blocks = [make_block(i) for i in range(5)]
     for b in blocks[:3] + blocks[4:]:
