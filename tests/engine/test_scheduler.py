@@ -127,6 +127,11 @@ def test_a_lone_prompts_slice_spans_several_chunks(loaded_model):
     s.step()
     s.advance()
     assert abs((before - long.todo) - 300) <= 1 and s.last_advanced_tokens == before - long.todo
+    s.step_s *= 10  # a slice of 3000 tokens: at most ALONE_STEPS chunks
+    before = long.todo
+    s.step()
+    s.advance()
+    assert before - long.todo == ALONE_STEPS * 128
     insert(s, tokens(3000, seed=1))  # no longer alone: one chunk at most
     before = long.todo
     s.step()
