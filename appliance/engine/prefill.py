@@ -4,8 +4,8 @@ mlx-lm's `PromptProcessingBatch.prompt` runs every batch through `BatchKVCache`,
 attention mask is always an array (it allows for left padding); MLX CUDA's fused
 attention takes only the "causal" mask, so each chunk materializes its attention
 scores (heads x chunk x context) and runs ~5x slower at 25K tokens on an H200
-(BENCHMARKS.md, "GPU"). It also empties MLX's buffer cache after every chunk and grows
-the KV buffers one chunk at a time (a copy of the whole cache per chunk).
+(BENCHMARKS.md, "GPU"). It also empties MLX's buffer cache after every chunk, and
+waits for each chunk before it builds the next.
 
 A batch of one without padding needs none of that: `prefill` runs the chunks through
 plain `KVCache`s that share the `BatchKVCache`s' buffers (so the mask is "causal") and

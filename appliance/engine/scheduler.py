@@ -23,9 +23,10 @@ A step has two halves, and the tokens reach clients between them:
   so streams decoding beside a long prompt wait at most about that long. A prompt
   prefilled alone gets `ALONE_STEPS` times longer slices, of up to `ALONE_STEPS` chunks,
   each queued on the device behind the last: tiny chunks cost it throughput, and only a
-  request yet to arrive would wait (on an H200, a short request sent during a lone 25K
-  prefill waited for a whole second's slice, its TTFT p99 1.59x its value alone). A prompt counts as too long
-  to start at once when it would take more than `START_STEPS` such chunks.
+  request yet to arrive would wait (unbounded by chunks, a short request sent during a
+  lone 25K prefill on an H200 waited for a whole second's slice: TTFT p99 1.59x its
+  value alone). A prompt counts as too long to start at once when it would take more
+  than `START_STEPS` such chunks.
 """
 
 from __future__ import annotations
