@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -53,7 +54,9 @@ class Block:
     dir: str  # where its file lives under the tier root (model fingerprint + tenant)
     tokens: tuple[int, ...]  # the block's token ids, compared on every hit
     meta: dict  # small JSON-able dict, opaque to the tier
-    payload: bytes | memoryview = field(repr=False)  # the KV bytes
+    # The KV bytes: bytes, a memoryview, or anything else with the buffer protocol (an
+    # evaluated MLX uint8 array, whose bytes reach the host when first read: kv.to_bytes).
+    payload: Any = field(repr=False)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -66,9 +69,11 @@ class Block:
 
     @property
     def payload_nbytes(self) -> int:
-        """Returns the payload size in bytes (a memoryview's len counts items, not bytes)."""
+        """Returns the payload size in bytes (a memoryview's len counts items, not bytes),
+        without reading it (an MLX array's bytes would be moved to the host)."""
         p = self.payload
-        return p.nbytes if isinstance(p, memoryview) else len(p)
+        nbytes = getattr(p, "nbytes", None)  # memoryview, MLX and numpy arrays
+        return len(p) if nbytes is None else int(nbytes)
 
 
 class BlockError(Exception):

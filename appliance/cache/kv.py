@@ -149,14 +149,18 @@ def to_bytes(blocks: list[KVBlock], *, bits: int = 16) -> list[Block]:
     kernels/kv_quant.py), each payload one uint8 array made by MLX, all evaluated in one
     wait.
 
-    The copy is made by MLX (on a GPU: by the device) and read through the buffer
-    protocol by whoever writes it out, so the calling engine thread never waits for the
-    bytes to cross to the host (on an H200 that took ~2 s for a 25K-token prompt's blocks,
-    stalling decoding).
+    The copy is made by MLX (on a GPU: by the device), and the payload is that array
+    itself: its bytes reach the host when they are first read through the buffer
+    protocol, by whoever writes them out. So the engine thread never waits for them to
+    cross (on an H200 that took ~2 s for a 25K-token prompt's blocks, stalling
+    decoding). On MLX CUDA even taking a memoryview of a device array moves it to
+    managed memory (a cudaMallocManaged and a synchronous copy, MLX's
+    `Buffer::raw_ptr`): done here, that cost the engine thread ~2 ms a block on an H200
+    (`store.to_bytes` in bench/batch_steps.py).
     """
     packed = [pack(b.keys, b.values, bits) for b in blocks]
     mx.eval([payload for payload, _ in packed])
-    return [Block(b.key, b.parent, b.dir, b.tokens, meta, memoryview(payload))
+    return [Block(b.key, b.parent, b.dir, b.tokens, meta, payload)
             for b, (payload, meta) in zip(blocks, packed)]
 
 

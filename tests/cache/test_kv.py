@@ -269,6 +269,21 @@ def test_payload_round_trip_from_a_memoryview_and_numpy_buffer():
         np.testing.assert_array_equal(raw(back.keys), raw(blk.keys))
 
 
+def test_a_payload_stays_mlx_s_array_until_the_ssd_writer_reads_it(tmp_path):
+    # On MLX CUDA a memoryview of a device array moves it to the host: the engine thread
+    # that made the payload must not take one (the writer's thread reads it).
+    from appliance.cache.ssd import SsdTier
+
+    (blk, *_) = cut_blocks(fake_cache(B), TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
+    stored = to_bytes([blk])[0]
+    assert isinstance(stored.payload, mx.array) and stored.payload_nbytes == blk.nbytes
+    with SsdTier(tmp_path / "ssd", budget_bytes=1 << 30) as tier:
+        assert tier.put(stored)
+        back = tier.get(stored.key, dir=stored.dir, tokens=stored.tokens)
+    assert bytes(back.payload) == bytes(memoryview(stored.payload))
+    np.testing.assert_array_equal(raw(from_bytes(back).keys), raw(blk.keys))
+
+
 def test_from_bytes_does_not_alias_the_buffer():
     (blk, *_) = cut_blocks(fake_cache(B), TOKENS[:B], SPACE, skip_tokens=0, is_known=never)
     stored = to_bytes([blk])[0]
