@@ -268,8 +268,9 @@ class ModelCache:
             def known(key: bytes, dir: str = space.dir) -> bool:
                 return key in cut or self.store.tier_of(key, dir) is not None
 
-            blocks += cut_blocks(cache, tokens, space, skip_tokens=saving.skip_tokens, is_known=known, wait=False)
-            cut.update(b.key for b in blocks)
+            new = cut_blocks(cache, tokens, space, skip_tokens=saving.skip_tokens, is_known=known, wait=False)
+            cut.update(b.key for b in new)
+            blocks += new
         if not blocks:
             return 0
         mx.eval([(b.keys, b.values) for b in blocks])
