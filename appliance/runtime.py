@@ -16,12 +16,14 @@ from pathlib import Path
 
 from appliance import platform
 from appliance.cache.keys import DEFAULT_TENANT, tenant_dir
-from appliance.cache.kv import probe_layout
+from appliance.cache.kv import KVLayout, probe_layout
 from appliance.cache.model_cache import ModelCache, kv_tenant
 from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
 from appliance.engine.request import RequestStats
+from appliance.engine.stand_in import stand_in_wanted, warm_up_stand_in
+from appliance.engine.thread import EngineThread
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
 from appliance.models.fingerprint import start_fingerprint, weights_fingerprint
@@ -139,13 +141,23 @@ class Appliance:
         entry.state = "loading"
         spec = config.spec
         cache_dir = spec.cache.path(config.base_dir)
+        thread = EngineThread(f"engine-{entry.spec.name}")
+
+        def expect(layout: KVLayout | None) -> None:  # its native KV kernels compile beside the warm-up
+            if store is not None and layout is not None:
+                store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
+
+        def beside(path: Path, dtype: str | None) -> None:
+            if stand_in_wanted(spec.batching.warm_up_beside_load):
+                thread.submit(functools.partial(warm_up_stand_in, entry.spec, path, dtype, spec.batching,
+                                                on_layout=expect))
+
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
-            loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
-            layout = probe_layout(loaded.model)  # MLX work: before the engine's thread starts
-            if store is not None:  # its native KV kernels compile beside the engine's warm-up
-                store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
-            engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher)
+            loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
+            layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
+            expect(layout)
+            engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher, thread=thread)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
             engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
             engine.on_device_lost = functools.partial(self._device_lost, entry)
@@ -154,6 +166,7 @@ class Appliance:
                 log.warning("model %s: its native KV kernels are still compiling", entry.spec.name)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
+            thread.close()  # a warm-up beside the load ends with its job
             log.error("model %s failed to load: %s", entry.spec.name, e)
             entry.state, entry.error = "failed", str(e)
         entry.ready.set()

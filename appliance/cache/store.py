@@ -508,8 +508,12 @@ class KVStore:
 
     def expect_layout(self, *, dtype: str, k_dim: int, v_dim: int) -> None:
         """Says a model's KV has this dtype and these head dimensions: with the native
-        kernels, they are compiled for it ahead of its first restore (`_warm`)."""
-        self._layouts.add((dtype, k_dim, v_dim))
+        kernels, they are compiled for it ahead of its first restore (`_warm`). A layout
+        already expected compiles nothing again (a stand-in says it before its model)."""
+        with self._lock:
+            if (dtype, k_dim, v_dim) in self._layouts:
+                return
+            self._layouts.add((dtype, k_dim, v_dim))
         self._warm()
 
     def _warm(self) -> None:

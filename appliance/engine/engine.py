@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.cache.model_cache import ModelCache, Saving
-from appliance.engine.request import Finished, GenerationRequest, RequestStats, SamplingParams
+from appliance.engine.request import Finished, GenerationRequest, RequestStats
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
+from appliance.engine.thread import EngineThread
+from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
-from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
 
 log = logging.getLogger("omlx.engine")
@@ -36,15 +37,8 @@ RECENT_REQUESTS = 256
 # out (finished requests' saves included), advancing a long prompt by a chunk, and saving
 # the blocks prompts computed.
 PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
-# The warm-up: what a first chat request needs (template, tokenizer, a prefill, decode
-# steps greedy and sampled, the detokenizer), run before the model counts as ready.
-WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Say hello."})
-WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
-WARM_UP_TOKENS = 3
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
 RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
-GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
 # CUDA errors that leave the process's context unusable: every later call fails too, so
 # the process must restart (the others, out-of-memory included, fail one batch only).
 DEVICE_LOST_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
@@ -120,7 +114,9 @@ class Engine:
     """Continuous batching for one loaded model, restoring cached prefixes at admission."""
 
     def __init__(self, loaded: LoadedModel, limits: BatchingSpec, *, cache: ModelCache | None = None,
-                 prefetcher: Executor | None = None):
+                 prefetcher: Executor | None = None, thread: EngineThread | None = None):
+        """`thread`: the thread to run on, when work meant for it (a warm-up beside the
+        load) was queued there already; it runs the engine once that work is done."""
         self.loaded = loaded
         self.limits = limits
         self.cache = cache
@@ -144,7 +140,7 @@ class Engine:
         self._waiting: deque[Slot] = deque()  # engine thread only
         self._running: dict[int, Slot] = {}  # engine thread only: uid -> slot
         self._scheduler: Scheduler | None = None
-        self._thread = threading.Thread(target=self._run, name=f"engine-{loaded.name}", daemon=True)
+        self._thread = thread or EngineThread(f"engine-{loaded.name}")
         self._warm = threading.Event()
         self.warm_up_s: float | None = None
         self.warm_up_error: str | None = None
@@ -161,7 +157,8 @@ class Engine:
     # --- asyncio side -------------------------------------------------------------------
 
     def start(self) -> Engine:
-        self._thread.start()
+        self._thread.submit(self._run)
+        self._thread.close()
         return self
 
     @property
@@ -242,7 +239,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._scheduler = self._new_scheduler()
+            self._scheduler = Scheduler.for_device(self.loaded.model, self.limits)
             if self._warm_up():
                 self._loop()
         except BaseException:  # never leave requests hanging on a dead engine
@@ -256,18 +253,11 @@ class Engine:
             raise
 
     def _warm_up(self) -> bool:
-        """Returns whether the model ran short chat requests through the batch, one at a
-        time, before the first real one: a first request then pays none of the first-call
-        costs (MLX compiles GPU kernels per shape). Their KV is not saved."""
+        """Returns whether the model ran the warm-up requests (warm_up.py) before the first
+        real one. Their KV is not saved."""
         started = time.perf_counter()
         try:
-            prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
-            for sampling in WARM_UP_SAMPLING:
-                slot = Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), self.loaded)
-                self._run_alone(slot)
-            for n in self._gpu_warm_up_lengths():  # long prompts' prefill shapes compile too
-                long = (prompt * (n // len(prompt) + 1))[:n]
-                self._run_alone(Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), self.loaded))
+            warm_up(self.loaded, self._scheduler, self.limits)
         except Exception as e:
             log.exception("warm-up failed on model %s", self.loaded.name)
             self.warm_up_error = str(e)
@@ -279,28 +269,6 @@ class Engine:
         log.info("model %s warmed up in %.2f s", self.loaded.name, self.warm_up_s)
         self._warm.set()
         return True
-
-    def _gpu_warm_up_lengths(self) -> list[int]:
-        """Returns, on GPUs, the length of one prompt of two full prefill chunks (MLX
-        CUDA compiles kernels per shape; a chat prompt has none of that size); none on
-        CPUs. Longer warm-ups did not pay on an H200: one over every chunk offset to 32K
-        and each padded chunk size took 11 s and left the first 25K TTFT as it was
-        (BENCHMARKS.md, "GPU")."""
-        chunk = self.limits.prefill_chunk_tokens
-        if device_kind() != "gpu":
-            return []
-        return [min(2 * chunk, self.loaded.context_tokens - 1) + 1]
-
-    def _run_alone(self, slot: Slot) -> None:
-        """Generates `slot`'s request to its end on an idle batch, delivering nothing."""
-        uid = self._scheduler.insert(**slot.insert_args())
-        done = False
-        while not done:
-            _, generated = self._scheduler.step()
-            for r in generated:
-                done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
-            self._scheduler.advance()
-        self._scheduler.remove(uid, keep_cache=False)
 
     def _loop(self) -> None:
         while True:
@@ -351,11 +319,6 @@ class Engine:
         nothing runs, so its restore may wait on them (it moves the blocks read first to the
         device while the rest are read) without holding anyone up."""
         return slot.prefetch is None or slot.prefetch.done() or (slot.reading and not self._running)
-
-    def _new_scheduler(self) -> Scheduler:
-        return Scheduler(self.loaded.model, chunk_tokens=self.limits.prefill_chunk_tokens,
-                         step_s=self.limits.prefill_step_s, lookahead=device_kind() == "gpu",
-                         shape_tokens=GPU_SHAPE_TOKENS if device_kind() == "gpu" else 1)
 
     def _admit(self) -> None:
         """Moves waiting requests into the batch, oldest first, once they are ready (`_ready`)."""
@@ -476,7 +439,7 @@ class Engine:
         for slot in list(self._running.values()):
             self._finish(slot, "error", error=f"generation failed: {error}")
         self._running.clear()
-        self._scheduler = self._new_scheduler()
+        self._scheduler = Scheduler.for_device(self.loaded.model, self.limits)
         if device_lost(error) and self.on_device_lost is not None:
             self.on_device_lost(str(error))
 

@@ -45,6 +45,8 @@ from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGenerat
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
 from appliance.engine.sampling import GREEDY
 from appliance.models.memory import free_bytes
+from appliance.platform import device_kind
+from appliance.spec import BatchingSpec
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
@@ -53,6 +55,7 @@ ALONE_STEPS = 4  # a prompt prefilled alone gets time slices this many times lon
 DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both are measured
 MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
 MIN_SHAPE_TOKENS = 32  # the shortest length a GPU's batched prefill call is padded to
+GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
 
 
 @dataclass
@@ -151,6 +154,13 @@ class Scheduler:
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
+
+    @classmethod
+    def for_device(cls, model: nn.Module, limits: BatchingSpec) -> Scheduler:
+        """Returns a scheduler for `model` with `limits`, set for the device MLX runs on."""
+        gpu = device_kind() == "gpu"
+        return cls(model, chunk_tokens=limits.prefill_chunk_tokens, step_s=limits.prefill_step_s,
+                   lookahead=gpu, shape_tokens=GPU_SHAPE_TOKENS if gpu else 1)
 
     def __len__(self) -> int:
         return len(self._prefills) + len(self._generation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,11 @@ class LoadedModel:
         return self.encode(text)
 
 
-def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> LoadedModel:
-    """Returns `spec`'s model loaded and evaluated; raises ModelSourceError or ValueError."""
+def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
+               beside: Callable[[Path, str | None], None] | None = None) -> LoadedModel:
+    """Returns `spec`'s model loaded and evaluated; raises ModelSourceError or ValueError.
+    `beside(path, dtype)` is called once the model's directory is known, before its
+    weights load: work to start beside the load."""
     from mlx_lm.utils import load
 
     from appliance.models.fingerprint import start_fingerprint
@@ -64,6 +68,8 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> LoadedMod
     path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
     with contextlib.suppress(OSError):  # the KV cache's key, hashed while the weights load
         start_fingerprint(path, memo_dir=cache_dir)
+    if beside is not None:
+        beside(path, dtype)
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     if dtype is not None:
         cast(model, DTYPES[dtype])

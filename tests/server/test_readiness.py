@@ -49,3 +49,22 @@ def test_ready_only_after_load_and_warm_up(tmp_path):
         assert "warmed up in" in server.output()
     finally:
         assert server.stop() == 0
+
+
+def test_a_stand_in_warms_up_beside_the_load(tmp_path):
+    port = free_port()
+    config = write_config(tmp_path / "omlx.toml", port=port, extra='warm_up_beside_load = "on"')
+    server = start_server(config, port, tmp_path / "server.log")
+    try:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert reply.status_code == 200, reply.text
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+        out = server.output()
+        # On the engine's thread, before the model's own (shorter) warm-up.
+        assert out.index("warmed up beside its load, on a 1-layer stand-in") < out.index("warmed up in")
+        cache = httpx.get(f"{server.url}/admin/api/cache").json()
+        assert cache["tiers"]["memory"]["blocks"] <= 1  # the request's; nothing of the stand-in
+    finally:
+        assert server.stop() == 0

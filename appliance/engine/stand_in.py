@@ -1,0 +1,90 @@
+"""The warm-up beside the load: a one-layer stand-in of the model, warmed up on the
+engine's thread while the model's weights load.
+
+On a GPU the first start of a machine compiles kernels as the warm-up first meets them
+(MLX's JIT, the CUDA driver's, cuDNN's first attention graph of each kind: 0.6-0.9 s
+each on an H200), after the load: an 8B model on an H200 was ready 13.97 s after its
+start, of which 5.5 s were the load. A stand-in with the model's config but one layer
+meets the same kernels and the same attention shapes (heads, head dims, dtype, the
+buffers' strides), with the model's own embeddings, head and first layer read lazily
+from the same files, so the compiling happens while the weights stream in and the
+model's own warm-up finds it done.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from appliance.cache.kv import KVLayout, probe_layout
+from appliance.engine.scheduler import Scheduler
+from appliance.engine.warm_up import warm_up
+from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
+from appliance.platform import device_kind
+from appliance.spec import BatchingSpec, ModelSpec
+
+log = logging.getLogger("omlx.engine")
+
+LAYERS = 1
+
+
+def stand_in_wanted(choice: str) -> bool:
+    """Returns whether `batching.warm_up_beside_load` asks for a stand-in here ("auto":
+    on GPUs, where kernels compile per shape)."""
+    return choice == "on" or (choice == "auto" and device_kind() == "gpu")
+
+
+def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None) -> LoadedModel | None:
+    """Returns the model at `path` cut to its first LAYERS layers, loaded (read from the
+    model's own files) and cast to `dtype` as the model will be, with its tokenizer; None
+    when its config does not cut that way (no `num_hidden_layers`)."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    started = time.perf_counter()
+    model, config = load_model(path, lazy=True, strict=False, model_config={"num_hidden_layers": LAYERS})
+    if len(getattr(model, "layers", ())) != LAYERS:
+        return None
+    if dtype is not None:
+        cast(model, DTYPES[dtype])
+    with mx.stream(generation_stream):  # the loader's evaluations use the default stream
+        mx.eval(model.parameters())
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
+                       context_tokens=context_tokens(spec, config), dtype=dtype or "checkpoint",
+                       load_s=time.perf_counter() - started)
+
+
+def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: BatchingSpec, *,
+                     on_layout: Callable[[KVLayout], None] | None = None) -> bool:
+    """Runs the warm-up (warm_up.py) on a stand-in of the model at `path`, on the calling
+    thread, which must be the engine's; hands the stand-in's KV layout (the model's) to
+    `on_layout` first, so that the cache's kernels compile beside it. Returns whether it
+    ran: a failure is logged, never raised, since the model's own warm-up follows."""
+    started = time.perf_counter()
+    try:
+        stand_in = load_stand_in(spec, path, dtype)
+        if stand_in is None:
+            log.info("model %s: no stand-in of its architecture; its shapes warm up after the load", spec.name)
+            return False
+        with mx.stream(generation_stream):
+            layout = probe_layout(stand_in.model)
+        if layout is not None and on_layout is not None:
+            on_layout(layout)
+        warm_up(stand_in, Scheduler.for_device(stand_in.model, limits), limits)
+    except Exception:
+        log.warning("model %s: the warm-up beside its load failed; its shapes warm up after the load",
+                    spec.name, exc_info=True)
+        return False
+    finally:
+        stand_in = None
+        gc.collect()
+        mx.clear_cache()  # the stand-in's buffers go back to the device for the model's
+    log.info("model %s: warmed up beside its load, on a %d-layer stand-in, in %.2f s",
+             spec.name, LAYERS, time.perf_counter() - started)
+    return True

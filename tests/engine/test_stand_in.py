@@ -1,0 +1,57 @@
+"""The warm-up beside the load: a one-layer stand-in read from the model's own files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+from appliance.cache.kv import probe_layout
+from appliance.engine.stand_in import load_stand_in, stand_in_wanted, warm_up_stand_in
+from appliance.spec import BatchingSpec
+
+pytestmark = pytest.mark.slow
+
+
+def test_auto_asks_for_a_stand_in_on_gpus_only():
+    assert stand_in_wanted("on") and not stand_in_wanted("off")
+    assert stand_in_wanted("auto") == (mx.default_device() == mx.gpu)
+
+
+def test_a_stand_in_is_the_model_cut_to_its_first_layer(loaded_model):
+    stand_in = load_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype)
+    model, full = stand_in.model, loaded_model.model
+    assert len(model.layers) == 1 < len(full.layers)
+    assert probe_layout(model) == replace(probe_layout(full), num_layers=1)
+    # The model's own weights, read from its files: embeddings and the first layer.
+    assert mx.array_equal(model.model.embed_tokens.weight, full.model.embed_tokens.weight)
+    assert mx.array_equal(model.layers[0].self_attn.q_proj.weight, full.layers[0].self_attn.q_proj.weight)
+    assert stand_in.tokenizer.encode("hello") == loaded_model.tokenizer.encode("hello")
+
+
+def test_the_stand_in_warms_up_and_hands_over_the_model_s_layout(loaded_model, caplog):
+    layouts = []
+    with caplog.at_level(logging.INFO, logger="omlx.engine"):
+        ran = warm_up_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype,
+                               BatchingSpec(prefill_chunk_tokens=64), on_layout=layouts.append)
+    assert ran
+    assert layouts == [replace(probe_layout(loaded_model.model), num_layers=1)]
+    assert "warmed up beside its load" in caplog.text
+
+
+def test_an_architecture_that_does_not_cut_gets_no_stand_in(tmp_path, loaded_model):
+    (tmp_path / "config.json").write_text(json.dumps({  # gpt2 counts its layers in n_layer
+        "model_type": "gpt2", "n_ctx": 64, "n_embd": 32, "n_head": 2, "n_layer": 2, "n_positions": 64,
+        "layer_norm_epsilon": 1e-5, "vocab_size": 64}))
+    assert load_stand_in(loaded_model.spec, tmp_path, None) is None
+    assert not warm_up_stand_in(loaded_model.spec, tmp_path, None, BatchingSpec())
+
+
+def test_a_stand_in_that_fails_is_logged_and_the_load_goes_on(tmp_path, loaded_model, caplog):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with caplog.at_level(logging.WARNING, logger="omlx.engine"):
+        assert not warm_up_stand_in(loaded_model.spec, tmp_path, None, BatchingSpec())
+    assert "the warm-up beside its load failed" in caplog.text
