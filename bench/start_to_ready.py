@@ -3,9 +3,11 @@ new length cold, over HTTP.
 
 Starts `omlx serve` on a model directory with a profile, times `GET /health` = 200 from
 the process start, splits that time by the server log's timestamps (process start to its
-first line: imports and device set-up; the model load; load to warm-up: the weights'
-fingerprint and the cache set-up; the warm-up), then streams the chats and prints TTFT
-and decode ms/token of each.
+first line: imports and device set-up; the model load; the warm-up of the model's
+stand-in beside the load; load to warm-up: the weights' fingerprint and the cache
+set-up; the warm-up), then streams the chats and prints TTFT and decode ms/token of
+each. `--import-profile` runs the server with `-X importtime` and adds its slowest
+imports.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
 
@@ -53,7 +55,12 @@ def phases(log: str, *, spawned_at: float, ready_at: float) -> dict:
         return None
 
     first, loaded, warm = at(r"."), at(r"loaded from .* in [0-9.]+ s"), at(r"warmed up in [0-9.]+ s")
+    stand_in = at(r"warmed up beside its load, on a .* in [0-9.]+ s")
     out = {}
+    if stand_in:  # on the engine's thread, during the load: it ends before the model's own warm-up
+        out["stand_in_warm_up_s"] = stand_in[1]
+        if loaded:
+            out["stand_in_end_after_load_s"] = stand_in[0] - loaded[0]
     if first:
         out["process_to_first_log_line_s"] = first[0] - spawned_at
     if loaded:
@@ -68,6 +75,21 @@ def phases(log: str, *, spawned_at: float, ready_at: float) -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+IMPORT = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
+
+
+def import_profile(log: str, *, top: int = 15) -> dict:
+    """Returns the server's imports (`-X importtime` lines in its log, both processes of
+    its re-exec) that took longest, cumulative seconds by module with its depth (0: a
+    top-level import), and the total of the top-level ones."""
+    rows = [(int(m.group(2)) / 1e6, (len(m.group(3)) - 1) // 2, m.group(4)) for line in log.splitlines()
+            if (m := IMPORT.match(line))]
+    total = sum(s for s, depth, _ in rows if depth == 0)
+    longest = sorted(rows, reverse=True)[:top]
+    return {"top_level_total_s": round(total, 2),
+            "longest": [{"module": name, "cumulative_s": round(s, 3), "depth": depth} for s, depth, name in longest]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path)
@@ -75,6 +97,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=25000)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--import-profile", action="store_true",
+                        help="run the server with -X importtime and report its slowest imports")
+    parser.add_argument("--stand-in", choices=("auto", "on", "off"), default=None,
+                        help="[batching] warm_up_beside_load for this start (default: the config's)")
+    parser.add_argument("--fresh-kernel-caches", action="store_true",
+                        help="empty JIT caches (MLX's PTX, the CUDA driver's): a machine's first start")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="omlx-ready-"))
     port = free_port()
@@ -97,12 +125,21 @@ dir = "{work / 'cache'}"
 """)
     log_path = (args.out.parent if args.out else work) / "omlx_server.log"
     server = omlx_process(config, port, log_path)
+    if args.import_profile:
+        server.env = {**server.env, "PYTHONPROFILEIMPORTTIME": "1"}
+    if args.stand_in:
+        server.env = {**server.env, "OMLX_BATCHING__WARM_UP_BESIDE_LOAD": args.stand_in}
+    if args.fresh_kernel_caches:
+        server.env = {**server.env, "MLX_PTX_CACHE_DIR": str(work / "ptx"), "CUDA_CACHE_PATH": str(work / "nv")}
     started, spawned_at = time.perf_counter(), time.time()
-    results: dict = {"tokens": args.tokens, "profile": args.profile}
+    results: dict = {"tokens": args.tokens, "profile": args.profile, "stand_in": args.stand_in or "config",
+                     "fresh_kernel_caches": args.fresh_kernel_caches}
     with server.start(ready_timeout_s=600):
         results["start_to_ready_s"] = round(time.perf_counter() - started, 2)
         text = log_path.read_text(errors="replace")
         results["phases"] = phases(text, spawned_at=spawned_at, ready_at=time.time())
+        if args.import_profile:
+            results["imports"] = import_profile(text)
         load = re.search(r"loaded from .* in ([0-9.]+) s", text)
         results["model_load_s"] = float(load.group(1)) if load else None
         results["log_lines"] = [line for line in text.splitlines()
