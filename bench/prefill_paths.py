@@ -255,7 +255,7 @@ def loaded_model(model, cfg, tokenizer_dir: Path):
 
 def instrument() -> None:
     from appliance.cache import kv, model_cache, store
-    from appliance.engine import engine, scheduler
+    from appliance.engine import engine, mlxlm_seam, scheduler
 
     timed(scheduler.Scheduler, "_prompt", "scheduler.prefill_call")
     timed(scheduler.Scheduler, "_decode", "scheduler.decode_step")
@@ -269,6 +269,11 @@ def instrument() -> None:
     timed(store.KVStore, "save", "store.save")
     timed(store, "to_bytes", "store.to_bytes")
     timed(model_cache, "build_batch_cache", "kv.build_batch_cache")
+    # Inside scheduler.start, after its prefill calls: the started rows' own generation
+    # batch (on GPUs mlx-lm's priming pass, a decode step of those rows alone) and its
+    # merge into the running one.
+    timed(mlxlm_seam.LeanGeneration, "__init__", "generation.new_rows")
+    timed(mlxlm_seam.LeanGeneration, "extend", "generation.extend")
     _ = kv
 
 
