@@ -20,12 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
 from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
+from appliance.models.memory import HEADROOM, free_bytes
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec, ModelSpec
 
@@ -40,10 +42,12 @@ def stand_in_wanted(choice: str) -> bool:
     return choice == "on" or (choice == "auto" and device_kind() == "gpu")
 
 
-def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None) -> LoadedModel | None:
+def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
+                  room_bytes: int | None = None) -> LoadedModel | None:
     """Returns the model at `path` cut to its first LAYERS layers, loaded (read from the
     model's own files) and cast to `dtype` as the model will be, with its tokenizer; None
-    when its config does not cut that way (no `num_hidden_layers`)."""
+    when its config does not cut that way (no `num_hidden_layers`) or it would take more
+    than `room_bytes`."""
     from mlx_lm.utils import load_model, load_tokenizer
 
     started = time.perf_counter()
@@ -52,6 +56,11 @@ def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None) -> LoadedModel
         return None
     if dtype is not None:
         cast(model, DTYPES[dtype])
+    nbytes = sum(a.nbytes for _, a in tree_flatten(model.parameters()))  # lazy: nothing read yet
+    if room_bytes is not None and nbytes > room_bytes:
+        log.info("model %s: no room for its stand-in (%.1f GiB, %.1f GiB left beside the model)",
+                 spec.name, nbytes / 2**30, max(room_bytes, 0) / 2**30)
+        return None
     with mx.stream(generation_stream):  # the loader's evaluations use the default stream
         mx.eval(model.parameters())
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
@@ -65,12 +74,18 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
     """Runs the warm-up (warm_up.py) on a stand-in of the model at `path`, on the calling
     thread, which must be the engine's; hands the stand-in's KV layout (the model's) to
     `on_layout` first, so that the cache's kernels compile beside it. Returns whether it
-    ran: a failure is logged, never raised, since the model's own warm-up follows."""
+    ran: a failure is logged, never raised, since the model's own warm-up follows.
+
+    The stand-in must fit beside the whole model (its weights with the load's headroom)
+    in what MLX may still allocate: a model that only just fits loads as it did without."""
     started = time.perf_counter()
     try:
-        stand_in = load_stand_in(spec, path, dtype)
+        free = free_bytes()
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        room = None if free is None else free - int(weights * HEADROOM)
+        stand_in = load_stand_in(spec, path, dtype, room_bytes=room)
         if stand_in is None:
-            log.info("model %s: no stand-in of its architecture; its shapes warm up after the load", spec.name)
+            log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False
         with mx.stream(generation_stream):
             layout = probe_layout(stand_in.model)

@@ -55,3 +55,9 @@ def test_a_stand_in_that_fails_is_logged_and_the_load_goes_on(tmp_path, loaded_m
     with caplog.at_level(logging.WARNING, logger="omlx.engine"):
         assert not warm_up_stand_in(loaded_model.spec, tmp_path, None, BatchingSpec())
     assert "the warm-up beside its load failed" in caplog.text
+
+
+def test_a_stand_in_that_would_crowd_the_model_is_not_loaded(loaded_model, caplog):
+    with caplog.at_level(logging.INFO, logger="omlx.engine"):
+        assert load_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype, room_bytes=1 << 20) is None
+    assert "no room for its stand-in" in caplog.text
