@@ -7,10 +7,12 @@ any release:
 
 - `LeanGeneration._step` is a copy of `mlx_lm.generate.GenerationBatch._step`, and it
   and `EagerGeneration` read and write GenerationBatch's private `_current_tokens`,
-  `_current_logprobs`, `_next_tokens`, `_next_logprobs` and `_token_context`, which
-  `GenerationBatch.__init__`, `extend` and `filter` also use.
-- `EagerGeneration` relies on `GenerationBatch.__init__` calling `_step()` once (the
-  priming pass it turns off with its `_priming` flag).
+  `_current_logprobs`, `_next_tokens`, `_next_logprobs`, `_token_context`,
+  `_num_tokens` and `_matchers`, which `GenerationBatch.__init__`, `extend`, `filter`
+  and `next` also use.
+- `LeanGeneration` relies on `GenerationBatch.__init__` calling `_step()` once (the
+  priming pass it turns off with its `_priming` flag), and its `next` is a copy of
+  `GenerationBatch.next` that skips the rows still to be fed their last prompt token.
 - `BatchCache` overrides the methods of `mlx_lm.models.cache.BatchKVCache` that change
   `left_padding` (`prepare`, `filter`, `extend`, `merge`, the `state` setter; `finalize`
   turns right padding into left padding) and takes its masks from `make_mask`.
@@ -43,15 +45,15 @@ MLX_LM_VERSION = "0.32.2"
 # when an upgrade changes it)
 UPSTREAM: dict[str, tuple[str, str]] = {
     "mlx_lm.generate.GenerationBatch.__init__": (
-        "dc828c7f63bfb07f", "EagerGeneration.__init__ (it still calls _step once: the _priming flag)"),
+        "dc828c7f63bfb07f", "LeanGeneration.__init__ (it still calls _step once: the _priming flag)"),
     "mlx_lm.generate.GenerationBatch._step": (
         "d7513c5031029194", "LeanGeneration._step is a copy of it: port the change"),
     "mlx_lm.generate.GenerationBatch.extend": (
-        "4019e7eaf5d6782f", "EagerGeneration's placeholder _next_logprobs, one per row"),
+        "4019e7eaf5d6782f", "LeanGeneration.extend (_fresh) and the placeholder _next_logprobs, one per row"),
     "mlx_lm.generate.GenerationBatch.filter": (
-        "27a2165cf672969f", "EagerGeneration's placeholder _next_logprobs, one per row"),
+        "27a2165cf672969f", "LeanGeneration.filter (_fresh) and the placeholder _next_logprobs, one per row"),
     "mlx_lm.generate.GenerationBatch.next": (
-        "5d2a3d229fba02a9", "EagerGeneration._step's return value (the tokens handed out)"),
+        "5d2a3d229fba02a9", "LeanGeneration.next is a copy of it that skips fresh rows: port the change"),
     "mlx_lm.generate.PromptProcessingBatch.prompt": (
         "91194fe0a4fcd146", "prompt_padded is a copy of it with the padded length given: port the change"),
     "mlx_lm.models.cache.BatchKVCache.__init__": (
@@ -184,12 +186,66 @@ def prompt_padded(batch: PromptProcessingBatch, tokens: list[list[int]], length:
 # --- GenerationBatch -----------------------------------------------------------------
 
 class LeanGeneration(GenerationBatch):
-    """mlx-lm's GenerationBatch, whose step normalizes the logits only when a row needs
-    log-probabilities: a batch of greedy rows that report none is sampled with one
-    argmax over the logits (see `Greedy`), and each row's `logprobs` is then its raw
-    logits, which nothing reads. Otherwise the step is mlx-lm's own."""
+    """mlx-lm's GenerationBatch, with two changes:
+
+    - Its step normalizes the logits only when a row needs log-probabilities: a batch of
+      greedy rows that report none is sampled with one argmax over the logits (see
+      `Greedy`), and each row's `logprobs` is then its raw logits, which nothing reads.
+    - New rows get no priming pass. mlx-lm runs one forward pass over the rows of a new
+      batch when it is made, so that their first token is ready when they join the
+      running batch: one more pass of the whole model per start (and on MLX CUDA a
+      decode of its own shape). Here a new row's pending token is its last prompt
+      token, which the running batch's next pass feeds it together with every other
+      row's; that row is "fresh" until then and hands out nothing at that `next()`.
+      Its first token comes out of the same number of passes, one step later.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._priming = True
+        super().__init__(*args, **kwargs)
+        self._priming = False
+        self._next_logprobs = [mx.array(0.0)] * len(self.uids)  # placeholders, one per row
+        self._fresh = [True] * len(self.uids)  # pending: the last prompt token, not a sampled one
+
+    def extend(self, batch: GenerationBatch) -> None:
+        super().extend(batch)
+        self._fresh.extend(batch._fresh)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._fresh = [self._fresh[i] for i in keep]
+
+    def next(self) -> list[GenerationBatch.Response]:
+        """mlx-lm's `next`, which fresh rows sit out: the token this step hands them is
+        their own last prompt token."""
+        if not self.uids:
+            return []
+        fresh, self._fresh = self._fresh, [False] * len(self.uids)
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        for i in range(len(self.uids)):
+            if fresh[i]:
+                keep.append(i)
+                continue
+            finish_reason = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish_reason = "length"
+            if self._matchers[i].advance(tokens[i]):
+                finish_reason = "stop"
+            if finish_reason is None:
+                keep.append(i)
+            responses.append(self.Response(
+                uid=self.uids[i], token=tokens[i], logprobs=logprobs[i], finish_reason=finish_reason,
+                prompt_cache=self.extract_cache(i) if finish_reason else None,
+                all_tokens=self.tokens[i] if finish_reason else None))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
+        if self._priming:
+            return [], []
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
@@ -236,14 +292,13 @@ class EagerGeneration(LeanGeneration):
     every token, the first one included, by a whole forward pass.
 
     Rows hold the token to feed next in `_next_tokens`: the last prompt token for a new
-    row (no priming pass at construction), else the token handed out last.
+    row (no priming pass at construction), else the token handed out last. No row is
+    ever fresh: the token a step returns is the one it sampled.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self._priming = True
         super().__init__(*args, **kwargs)
-        self._priming = False
-        self._next_logprobs = [mx.array(0.0)] * len(self.uids)  # placeholders, one per row
+        self._fresh = [False] * len(self.uids)
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
         if self._priming:

@@ -10,10 +10,12 @@ A step has two halves, and the tokens reach clients between them:
   again into calls of a power-of-two count of prompts, each padded to a bucketed length
   (`row_groups`, `padded_length`): MLX CUDA builds an attention graph per shape (~0.1 s),
   so a call of a shape not yet seen delays every first token of its step. It then runs
-  one decode step for every generating request, so a request started here gets its
-  first token from this same step. On GPUs decoding is pipelined (mlx-lm's
-  GenerationBatch hands out the token its previous call computed while the next is
-  computed); on CPUs it is not (`EagerGeneration`).
+  one decode step for every generating request, the started ones included, whose first
+  token comes from that pass: on CPUs it is handed out in this same step. On GPUs
+  decoding is pipelined (mlx-lm's GenerationBatch hands out the token its previous
+  pass computed while the next is computed), so a started request's first token goes
+  out at the next step, without the pass of its own that mlx-lm would run to have it
+  ready sooner (`LeanGeneration`); on CPUs it is not pipelined (`EagerGeneration`).
   Prompts start only while the generation batch they join fits in memory: it holds
   every row padded to the longest (`call_budget.batch_fits`). A prompt that does not fit
   waits, and the prompts behind it with it, until rows finish.

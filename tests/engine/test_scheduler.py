@@ -1,4 +1,4 @@
-"""The scheduler with the real model: batched starts, first token in the same step, timed chunks."""
+"""The scheduler with the real model: batched starts, first tokens, timed chunks."""
 
 from __future__ import annotations
 
@@ -206,6 +206,35 @@ def test_eager_and_look_ahead_decoding_give_the_same_tokens(loaded_model):
     eager, ahead = run(False), run(True)
     assert eager == ahead
     assert [len(t) for t in eager.values()] == [6, 7, 8]
+
+
+def test_with_look_ahead_a_joining_prompt_gets_no_pass_of_its_own_and_the_same_tokens(loaded_model):
+    def run(lookahead: bool) -> tuple[dict[int, list[int]], int, list[int]]:
+        model = CountingModel(loaded_model.model)
+        s = Scheduler(model, chunk_tokens=512, step_s=None, lookahead=lookahead)
+        args = {"cache": None, "cached_tokens": [], "sampler": GREEDY, "processors": [], "stop": StopSequences()}
+        out = {s.insert(tokens(30, 0), max_tokens=8, **args): []}
+        step, passes, handed = 0, 0, []
+        while len(s):
+            if step == 3:  # a prompt arrives while the first one decodes
+                out[s.insert(tokens(50, 1), max_tokens=6, **args)] = []
+                calls = model.calls
+            _, generated = s.step()
+            if step == 3:
+                passes, handed = model.calls - calls, [g.uid for g in generated]
+            for g in generated:
+                out[g.uid].append(g.token)
+            s.advance()
+            step += 1
+        return out, passes, handed
+
+    eager, eager_passes, eager_handed = run(False)
+    ahead, ahead_passes, ahead_handed = run(True)
+    assert ahead == eager and [len(t) for t in ahead.values()] == [8, 6]
+    # Its prefill, then one pass of the whole batch: no priming pass of its own ...
+    assert ahead_passes == eager_passes == 2
+    # ... so its first token, computed by that pass, is handed out one step later.
+    assert ahead_handed == [0] and eager_handed == [0, 1]
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
