@@ -199,7 +199,7 @@ class BatchingSpec(Frozen):
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
     prefill_step_ms: int = Field(250, ge=0, le=600_000)  # 0: chunks sized by tokens only
     # A one-layer stand-in of each model warms up its shapes while the model loads
-    # (engine/stand_in.py); "auto": on GPUs, where kernels compile per shape.
+    # (engine/stand_in.py); "auto": on CUDA, where kernels compile per shape.
     warm_up_beside_load: Literal["auto", "on", "off"] = "auto"
 
     @property

@@ -28,7 +28,6 @@ from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
 from appliance.models.memory import HEADROOM, free_bytes
-from appliance.platform import device_kind
 from appliance.spec import BatchingSpec, ModelSpec
 
 log = logging.getLogger("omlx.engine")
@@ -38,8 +37,8 @@ LAYERS = 1
 
 def stand_in_wanted(choice: str) -> bool:
     """Returns whether `batching.warm_up_beside_load` asks for a stand-in here ("auto":
-    on GPUs, where kernels compile per shape)."""
-    return choice == "on" or (choice == "auto" and device_kind() == "gpu")
+    on CUDA, where kernels and attention graphs compile per shape on first use)."""
+    return choice == "on" or (choice == "auto" and mx.cuda.is_available())
 
 
 def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
