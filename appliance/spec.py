@@ -149,6 +149,8 @@ class ModelSpec(Frozen):
     allow_beyond_trained_context: bool = False
     # Default for requests that name no max_tokens.
     default_max_tokens: int = Field(512, ge=1)
+    # Default for requests that name no temperature (Codex sends none); None: the APIs' 1.0.
+    default_temperature: float | None = Field(None, ge=0, le=2)
 
     @model_validator(mode="after")
     def _beyond_needs_a_limit(self) -> ModelSpec:

@@ -37,7 +37,7 @@ from appliance.engine.request import RequestStats, SamplingParams
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.json import JSONResponse, sse_typed
 from appliance.server.openai import appliance_of
-from appliance.server.params import Lenient, parse_body
+from appliance.server.params import Lenient, parse_body, temperature
 from appliance.server.turns import (
     HEARTBEAT_S,
     KEEPALIVE_S,
@@ -47,6 +47,7 @@ from appliance.server.turns import (
     submit_turn,
     with_heartbeat,
 )
+from appliance.spec import ModelSpec
 
 # Claude Code's first system block: it changes on every request (cch=...), so rendered
 # into the prompt it would end every cached prefix a few tokens in.
@@ -92,13 +93,13 @@ class CountParams(Lenient):
 class MessagesParams(CountParams):
     max_tokens: int | None = Field(None, ge=1)  # required by Anthropic; here the model's default
     stop_sequences: list[str] = Field([], max_length=16)
-    temperature: float = Field(1.0, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=1)  # None: the model's default_temperature
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stream: bool = False
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+    def sampling(self, model: ModelSpec) -> SamplingParams:
+        return SamplingParams(temperature=temperature(self.temperature, model), top_p=self.top_p, top_k=self.top_k)
 
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str:
@@ -293,8 +294,8 @@ async def messages(request: Request) -> Response:
     params: MessagesParams = parse_body(await request.body(), MessagesParams)
     engine = await appliance_of(request).engine(params.model)
     try:
-        run = submit_turn(engine, params.turn(), max_tokens=params.max_tokens, sampling=params.sampling(),
-                          stop=tuple(params.stop_sequences))
+        run = submit_turn(engine, params.turn(), max_tokens=params.max_tokens,
+                          sampling=params.sampling(engine.loaded.spec), stop=tuple(params.stop_sequences))
     except PromptTooLong as e:
         raise too_long(e) from None
     writer = MessageWriter(engine.loaded.name, run)

@@ -18,8 +18,20 @@ from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.models.loaded import LoadedModel
 from appliance.server.errors import bad_request
 from appliance.server.limits import check_tokens, default_tokens
+from appliance.spec import ModelSpec
 
 MAX_STOPS = 16
+
+
+API_TEMPERATURE = 1.0  # OpenAI's and Anthropic's default
+
+
+def temperature(asked: float | None, model: ModelSpec) -> float:
+    """Returns the temperature a request samples at: its own, else its model's
+    `default_temperature`, else the APIs' default."""
+    if asked is not None:
+        return asked
+    return API_TEMPERATURE if model.default_temperature is None else model.default_temperature
 
 
 class Lenient(BaseModel):
@@ -33,7 +45,7 @@ class StreamOptions(Lenient):
 class CommonParams(Lenient):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2)  # None: the model's default_temperature
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -62,9 +74,9 @@ class CommonParams(Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, model: ModelSpec) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            temperature=temperature(self.temperature, model), top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
@@ -255,7 +267,7 @@ def generation_request(params: CommonParams, prompt: list[int], loaded: LoadedMo
     return GenerationRequest(
         prompt_tokens=tuple(prompt),
         max_tokens=min(wanted, context - len(prompt)),
-        sampling=params.sampling(),
+        sampling=params.sampling(loaded.spec),
         stop=tuple(params.stop or ()),
         stop_token_ids=tuple(params.stop_token_ids),
         top_logprobs=top_logprobs,

@@ -39,8 +39,9 @@ from appliance.engine.request import SamplingParams
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.json import JSONResponse, sse_typed
 from appliance.server.openai import appliance_of
-from appliance.server.params import Lenient, parse_body
+from appliance.server.params import Lenient, parse_body, temperature
 from appliance.server.turns import KEEPALIVE_S, PromptTooLong, TurnRun, submit_turn, with_heartbeat
+from appliance.spec import ModelSpec
 
 
 class ResponsesParams(Lenient):
@@ -51,7 +52,7 @@ class ResponsesParams(Lenient):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2)  # None: the model's default_temperature
     top_p: float = Field(1.0, gt=0, le=1)
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -60,8 +61,8 @@ class ResponsesParams(Lenient):
     metadata: dict[str, Any] | None = None
     stream: bool = False
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p)
+    def sampling(self, model: ModelSpec) -> SamplingParams:
+        return SamplingParams(temperature=temperature(self.temperature, model), top_p=self.top_p)
 
     def output_format(self) -> OutputFormat:
         fmt = (self.text or {}).get("format") or {}
@@ -232,7 +233,8 @@ class ResponseWriter:
             "instructions": p.instructions, "max_output_tokens": p.max_output_tokens, "model": self.model,
             "output": self.output, "parallel_tool_calls": p.parallel_tool_calls, "previous_response_id": None,
             "prompt_cache_key": p.prompt_cache_key, "reasoning": {"effort": None, "summary": None},
-            "store": False, "temperature": p.temperature, "text": p.text or {"format": {"type": "text"}},
+            "store": False, "temperature": self.run.request.sampling.temperature,
+            "text": p.text or {"format": {"type": "text"}},
             "tool_choice": p.tool_choice, "tools": p.tools, "top_p": p.top_p, "truncation": "disabled",
             "usage": self.usage() if done else None, "metadata": p.metadata or {},
         }
@@ -365,7 +367,7 @@ async def create_response(request: Request) -> Response:
         # No max_output_tokens: as upstream, the answer may fill the context. Codex sends none,
         # and it takes an answer cut off by a limit it never set (`incomplete`) for a failure.
         run = submit_turn(engine, turn_of(params, functions), max_tokens=params.max_output_tokens,
-                          sampling=params.sampling(), fill_context=True)
+                          sampling=params.sampling(engine.loaded.spec), fill_context=True)
     except PromptTooLong as e:
         raise too_long(e) from None
     writer = ResponseWriter(params, engine.loaded.name, run, functions)

@@ -24,9 +24,10 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def codex_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server with the model's whole trained context, for Codex-sized prompts."""
+    """A server with the model's whole trained context, for Codex-sized prompts, sampling
+    greedily where a request names no temperature (as Codex does)."""
     with served(tmp_path_factory, "responses", context_tokens=CONTEXT_TOKENS,
-                model_extra="default_max_tokens = 4") as srv:
+                model_extra="default_max_tokens = 4\ndefault_temperature = 0") as srv:
         yield srv
 
 
@@ -122,6 +123,18 @@ def test_without_max_output_tokens_the_answer_may_fill_the_context(client: opena
     # The model's default_max_tokens (4 here) is not a limit the client set.
     assert r.status == "completed" and r.usage.output_tokens > 4
     assert "Paris" in r.output_text
+
+
+@pytest.mark.slow
+def test_a_request_without_temperature_samples_at_the_model_s_default(codex_server: Server):
+    url = f"{codex_server.url}/v1/responses"
+    body = {"model": MODEL_NAME, "input": QUESTION, "max_output_tokens": 12}
+    unsaid = [httpx.post(url, json=body, timeout=300).json() for _ in range(2)]
+    greedy = httpx.post(url, json={**body, "temperature": 0}, timeout=300).json()
+    assert [r["temperature"] for r in unsaid] == [0.0, 0.0]  # the model's default_temperature
+    assert unsaid[0]["output"][0]["content"] == unsaid[1]["output"][0]["content"] == greedy["output"][0]["content"]
+    asked = httpx.post(url, json={**body, "temperature": 0.7}, timeout=300).json()
+    assert asked["temperature"] == 0.7  # a request's own wins
 
 
 @pytest.mark.slow
@@ -331,7 +344,8 @@ def test_writer_streams_reasoning_text_and_function_call_items():
     params = ResponsesParams.model_validate({"input": "x", "tools": CODEX_TOOLS})
     stats = RequestStats(prompt_tokens=100, cached_tokens=60, completion_tokens=20)
     loaded = SimpleNamespace(encode=lambda text: text.split())
-    run = SimpleNamespace(stats=stats, stop_reason="tool_calls", finished=True, loaded=loaded)
+    request = SimpleNamespace(sampling=SimpleNamespace(temperature=1.0))
+    run = SimpleNamespace(stats=stats, stop_reason="tool_calls", finished=True, loaded=loaded, request=request)
     writer = ResponseWriter(params, MODEL_NAME, run, Functions(params.tools))
     events = [ReasoningDelta("look it "), ReasoningDelta("up"), TextDelta("Searching."),
               ToolCallStart(index=0, id="call_7", name="mcp__docs__search"),
