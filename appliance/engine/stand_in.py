@@ -27,7 +27,7 @@ from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
-from appliance.models.memory import HEADROOM, free_bytes
+from appliance.models.memory import room_beside
 from appliance.spec import BatchingSpec, ModelSpec
 
 log = logging.getLogger("omlx.engine")
@@ -79,10 +79,7 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
     in what MLX may still allocate: a model that only just fits loads as it did without."""
     started = time.perf_counter()
     try:
-        free = free_bytes()
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        room = None if free is None else free - int(weights * HEADROOM)
-        stand_in = load_stand_in(spec, path, dtype, room_bytes=room)
+        stand_in = load_stand_in(spec, path, dtype, room_bytes=room_beside(path))
         if stand_in is None:
             log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False

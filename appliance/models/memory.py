@@ -63,14 +63,26 @@ def cuda_free_bytes() -> int | None:
     return free + mx.get_cache_memory()
 
 
+def weights_bytes(path: Path) -> int:
+    """Returns the size of a model's weights: the file itself, or a directory's safetensors."""
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+def room_beside(model_dir: Path) -> int | None:
+    """Returns what MLX may still allocate once the model in `model_dir` is loaded (its
+    weights with the load's HEADROOM), negative when it does not fit; None when unknown."""
+    free = free_bytes()
+    return None if free is None else free - int(weights_bytes(model_dir) * HEADROOM)
+
+
 def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:
     """Raises MemoryError when a local model's weights clearly cannot fit in free memory."""
     if describe_source(spec.source, base_dir) == "hf-repo":
         return  # size unknown until downloaded
     path = Path(spec.source).expanduser()
     path = path if path.is_absolute() else base_dir / path
-    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
-    needed = sum(f.stat().st_size for f in files)
+    needed = weights_bytes(path)
     if path.suffix == ".gguf":
         needed *= 8  # quantized GGUF weights expand to float32 (4-bit -> 32-bit)
     free = free_bytes()
