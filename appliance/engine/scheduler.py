@@ -156,6 +156,8 @@ class Scheduler:
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
+        self._first_tokens_due = False  # pipelined: the last step started rows whose first token is next
+        self._held_back = False  # the last advance() gave way to such rows
 
     @classmethod
     def for_device(cls, model: nn.Module, limits: BatchingSpec) -> Scheduler:
@@ -197,6 +199,7 @@ class Scheduler:
             started = self._start()
             t1 = time.perf_counter()
             generated = self._decode()
+        self._first_tokens_due = bool(started) and self._generation_class is LeanGeneration
         self.last_start_s, self.last_decode_s = t1 - t0, time.perf_counter() - t1
         return started, generated
 
@@ -254,10 +257,11 @@ class Scheduler:
         return 0 if keys is None else int(keys.shape[2])
 
     def advance(self) -> None:
-        """Spends the rest of this step's budget on one chunk of the shortest prompt left."""
+        """Spends the rest of this step's budget on one chunk of the shortest prompt left,
+        unless rows just started (see `_gives_way`)."""
         self.last_advanced_tokens = 0
         pending = [p for p in self._prefills if p.todo > 0]
-        if self._budget_left <= 0 or not pending:
+        if self._budget_left <= 0 or not pending or self._gives_way():
             return
         p = min(pending, key=lambda p: p.todo)
         if self._alone():  # nothing decodes beside it: a longer slice, its chunks queued back to back
@@ -273,6 +277,15 @@ class Scheduler:
         p.s_per_token = self._measured(started, n, p.s_per_token)
         p.remaining = p.remaining[n:]
         self.last_advanced_tokens = n
+
+    def _gives_way(self) -> bool:
+        """Returns whether this step's chunk waits a step for the rows it started: decoding
+        pipelined, their first tokens come out of the next pass, and a chunk run now would
+        hold them back by a whole slice (on an H200, 8 short requests sent during a 25K
+        prefill got their first token 1.37 s after they were sent, 0.38 s alone). Never
+        twice running, so arrivals at every step cannot starve a long prompt."""
+        self._held_back = self._first_tokens_due and not self._held_back
+        return self._held_back
 
     def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> None:
         """Prefills `todo` (one token list per row of `batch`) into its cache: a lone

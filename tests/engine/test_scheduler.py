@@ -237,6 +237,54 @@ def test_with_look_ahead_a_joining_prompt_gets_no_pass_of_its_own_and_the_same_t
     assert ahead_handed == [0] and eager_handed == [0, 1]
 
 
+def test_with_look_ahead_a_chunk_waits_a_step_for_the_first_tokens_of_started_rows(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=True)
+    insert(s, tokens(3000))
+    long = s._prefills[0]
+    s.step()
+    s.advance()  # alone: chunks of it
+    decoding = s.insert(tokens(30, seed=1), max_tokens=20, cache=None, cached_tokens=[], sampler=GREEDY,
+                        processors=[], stop=StopSequences())
+    s.step()  # starts it; its first token comes out of the next pass
+    before = long.todo
+    s.advance()
+    assert long.todo == before and s.last_advanced_tokens == 0  # gave way
+    _, generated = s.step()
+    assert [g.uid for g in generated] == [decoding]  # the first token, no chunk run before it
+    s.advance()
+    assert long.todo == before - 256  # and then the long prompt goes on
+
+
+def test_a_chunk_gives_way_to_started_rows_never_twice_running(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=True)
+    insert(s, tokens(3000))
+    long = s._prefills[0]
+    s.step()
+    s.advance()
+    advanced = []
+    for seed in range(1, 5):  # a new short prompt every step
+        insert(s, tokens(20, seed=seed))
+        before = long.todo
+        started, _ = s.step()
+        assert started
+        s.advance()
+        advanced.append(before - long.todo)
+    assert advanced[0::2] == [0, 0] and all(advanced[1::2])  # what the starts left of the budget
+
+
+def test_without_look_ahead_a_chunk_runs_in_the_step_that_started_rows(loaded_model):
+    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=False)
+    insert(s, tokens(3000))
+    long = s._prefills[0]
+    s.step()
+    s.advance()
+    insert(s, tokens(30, seed=1))
+    _, generated = s.step()  # its first token is out already
+    before = long.todo
+    s.advance()
+    assert len(generated) == 1 and long.todo < before  # what the start left of the budget
+
+
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_greedy_rows_without_logprobs_skip_the_normalization_and_pick_the_same_tokens(loaded_model, lookahead):
     def tokens_of(samplers: list) -> list[list[int]]:
