@@ -23,6 +23,7 @@ from appliance.cache.model_cache import ModelCache, Saving
 from appliance.engine.request import Finished, GenerationRequest, RequestStats
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.slot import Slot
+from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
 from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import LoadedModel
@@ -129,6 +130,7 @@ class Engine:
         self.phase_s: Counter[str] = Counter()
         self.num_steps = 0
         self.num_prefill_calls = 0
+        self._trace = StepTrace.from_env()  # a line a step, when OMLX_STEP_TRACE is set
         self.on_finished: Callable[[RequestStats], None] | None = None  # metrics, on this thread
         self.on_device_lost: Callable[[str], None] | None = None  # the process must restart; on this thread
         self._cond = threading.Condition()
@@ -280,9 +282,10 @@ class Engine:
             self._waiting.extend(s for s in commands.submitted if not s.done)
             started = time.perf_counter()
             self._admit()
-            self.phase_s["admit"] += time.perf_counter() - started
+            admit_s = time.perf_counter() - started
+            self.phase_s["admit"] += admit_s
             if self._running:
-                self._step()
+                self._step(admit_s)
         for slot in [*self._waiting, *self._running.values()]:
             self._drop(slot, "cancelled")
 
@@ -379,8 +382,9 @@ class Engine:
         except Exception:
             log.exception("cache save failed on model %s", self.loaded.name)
 
-    def _step(self) -> None:
-        """One scheduler step: start and decode, hand the tokens out, then advance a prefill."""
+    def _step(self, admit_s: float = 0.0) -> None:
+        """One scheduler step: start and decode, hand the tokens out, then advance a prefill
+        (`admit_s`: what admitting requests took before it, for the step trace)."""
         scheduler = self._scheduler
         try:
             prefilled, generated = scheduler.step()
@@ -395,10 +399,17 @@ class Engine:
             return self._failed(e)
         t2 = time.perf_counter()
         self._save_computed()
-        self.phase_s.update({"start": scheduler.last_start_s, "decode": scheduler.last_decode_s,
-                             "deliver": t1 - t0, "advance": t2 - t1, "save": time.perf_counter() - t2})
+        phases = {"start": scheduler.last_start_s, "decode": scheduler.last_decode_s,
+                  "deliver": t1 - t0, "advance": t2 - t1, "save": time.perf_counter() - t2}
+        self.phase_s.update(phases)
         self.num_steps += 1
         self.num_prefill_calls += scheduler.last_prefill_calls
+        if self._trace is not None:
+            self._trace.write(self.loaded.name, {
+                "running": len(self._running), "waiting": len(self._waiting), "started": len(prefilled),
+                "tokens_out": len(generated), "prefill_calls": scheduler.last_prefill_calls,
+                "advanced": scheduler.last_advanced_tokens,
+                "phases_ms": {k: round(1000 * v, 2) for k, v in {"admit": admit_s, **phases}.items()}})
 
     def _save_computed(self) -> None:
         """Saves the full prompt blocks that running requests computed, at most one
