@@ -5,7 +5,7 @@
 # that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
-#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,ready,restore,
+#   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,agents,70b,quant70b
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
@@ -67,6 +67,9 @@ case ",$STEPS," in *,batch,*)  # item 5: one wave of N short prompts, omlx's eng
   step python3 bench/batch_steps.py --shape 8b --n 8,32 --tokenizer .gpu/tok --out "$OUT/batch_steps.json" \
     --paths "${BATCH_PATHS:-batch_generator,engine,engine_cache,engine_cache_nowrite,engine_stagger}" 2>&1 \
     | grep -v '"phases"' | tail -60 ;; esac
+case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
+  step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
+    | tail -150 ;; esac
 case ",$STEPS," in *,ready,*)
   model 8b
   # A fresh cache dir: the weights are seen for the first time (their fingerprint hashed).
@@ -94,6 +97,8 @@ case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bi
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill
   model 8b
+  mkdir -p bench/out/logs
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
