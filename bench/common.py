@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from appliance.engine.step_trace import ENV as STEP_TRACE_ENV
 from appliance.platform import openblas_env, openblas_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,8 +42,9 @@ def free_port() -> int:
 
 
 def server_env() -> dict[str, str]:
-    """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides."""
-    env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_")})
+    """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides
+    (the step trace's path passes: appliance/engine/step_trace.py)."""
+    env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_") or k == STEP_TRACE_ENV})
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

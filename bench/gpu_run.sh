@@ -95,11 +95,11 @@ case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bi
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
-  # short requests during a 25K-token prefill
+  # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only")
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --mlx-lm-batch \
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 ${THROUGHPUT_ARGS:---mlx-lm-batch} \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
   model 8b

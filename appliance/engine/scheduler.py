@@ -27,7 +27,7 @@ A step has two halves, and the tokens reach clients between them:
   each queued on the device behind the last: tiny chunks cost it throughput, and only a
   request yet to arrive would wait (unbounded by chunks, a short request sent during a
   lone 25K prefill on an H200 waited for a whole second's slice: TTFT p99 1.59x its
-  value alone). A prompt counts as too long to start at once when it would take more
+  value alone; at four chunks a slice, 2.26x). A prompt counts as too long to start at once when it would take more
   than `START_STEPS` such chunks.
 """
 
@@ -53,7 +53,7 @@ from appliance.spec import BatchingSpec
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
 IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
-ALONE_STEPS = 4  # a prompt prefilled alone gets time slices this many times longer
+ALONE_STEPS = 2  # a prompt prefilled alone gets time slices this many times longer
 DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both are measured
 MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
 MIN_SHAPE_TOKENS = 32  # the shortest length a GPU's batched prefill call is padded to
