@@ -73,6 +73,22 @@ def test_prompts_split_where_padding_costs_more_than_another_call():
     assert split([], pass_tokens=32) == []
 
 
+def test_on_a_gpu_the_split_counts_padded_shapes_and_a_call_per_power_of_two():
+    def gpu_split(lengths: list[int], pass_tokens: float) -> list[list[int]]:
+        parts = split_by_length([Waiting(n) for n in lengths], pass_tokens, shape_tokens=256)
+        return [[p.todo for p in part] for part in parts]
+
+    # 110-144 tokens pad to 128 and 256: the raw lengths' padding (34 tokens each) would
+    # not pay for another call, the padded ones' (128 each) does.
+    assert split([110] * 4 + [144] * 4, pass_tokens=150) == [[110] * 4 + [144] * 4]
+    assert gpu_split([110] * 4 + [144] * 4, pass_tokens=150) == [[110] * 4, [144] * 4]
+    # 7 prompts of one shape run as 4 + 2 + 1 calls; split 4 + 3, as 4 + (2 + 1): the same
+    # calls, so nothing gained by cutting; at 3 calls' cost the DP keeps them in one part.
+    assert gpu_split([100] * 7, pass_tokens=1e6) == [[100] * 7]
+    # Cheap calls: 12 prompts as 8 + 4 (two calls) beat 12 one by one.
+    assert gpu_split([100 + i for i in range(12)], pass_tokens=50) == [[100 + i for i in range(12)]]
+
+
 def test_a_split_start_gives_every_prompt_its_first_token_in_the_same_step(loaded_model):
     model = CountingModel(loaded_model.model)
     s = Scheduler(model, chunk_tokens=512, step_s=None)
@@ -86,7 +102,7 @@ def test_split_and_padded_starts_give_the_same_greedy_tokens(loaded_model):
     def run(one_call: bool) -> list[list[int]]:
         s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
         if one_call:  # another call priced above any padding
-            s._pass_s, s._start_s_per_token = 1e9, 1.0
+            s._pass_s, s._fastest_start_s_per_token = 1e9, 1.0
         return [[t for t, _ in row] for row in decode(s, [GREEDY] * 3, (15, 40, 300)).values()]
 
     assert run(one_call=False) == run(one_call=True)
@@ -328,19 +344,20 @@ def test_batched_calls_are_padded_to_powers_of_two_then_to_whole_shapes():
 
 
 def test_a_wave_on_a_gpu_meets_few_shapes_and_gets_the_same_greedy_tokens(loaded_model):
-    """Seven prompts of seven lengths start in calls of 4, 2 and 1 prompts padded to
-    bucketed lengths, and decode the tokens they decode unpadded."""
+    """Seven prompts of seven lengths start in calls of powers of two prompts padded to
+    bucketed lengths (1, 4 and 2: as few calls as 4, 2 and 1, with less padding), and
+    decode the tokens they decode unpadded."""
     lengths = (15, 22, 40, 41, 60, 90, 130)
 
     def run(shape_tokens: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
         model = CountingModel(loaded_model.model)
         s = Scheduler(model, chunk_tokens=512, step_s=None, shape_tokens=shape_tokens)
-        s._pass_s, s._start_s_per_token = 1e9, 1.0  # one sub-batch: the groups are the GPU's
+        s._pass_s, s._fastest_start_s_per_token = 1e9, 1.0  # one sub-batch: the groups are the GPU's
         rows = [[t for t, _ in row] for row in decode(s, [GREEDY] * len(lengths), lengths).values()]
         return rows, [shape for shape in model.shapes if shape[1] > 1]  # the prefill calls
 
     bucketed, calls = run(shape_tokens=64)
-    assert calls == [(4, 64), (2, 128), (1, 192)]  # the lone prompt: its chunk padded to whole shapes
+    assert calls == [(1, 64), (4, 64), (2, 192)]  # the lone prompt: its chunk padded to whole shapes
     assert bucketed == run(shape_tokens=1)[0]
 
 
