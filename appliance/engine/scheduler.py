@@ -27,8 +27,8 @@ A step has two halves, and the tokens reach clients between them:
   each queued on the device behind the last: tiny chunks cost it throughput, and only a
   request yet to arrive would wait (unbounded by chunks, a short request sent during a
   lone 25K prefill on an H200 waited for a whole second's slice: TTFT p99 1.59x its
-  value alone; at four chunks a slice, 2.26x). A prompt counts as too long to start at once when it would take more
-  than `START_STEPS` such chunks.
+  value alone; at four chunks a slice, 2.26x). A prompt counts as too long to start at
+  once when it would take more than `START_STEPS` such chunks.
 """
 
 from __future__ import annotations
