@@ -61,7 +61,7 @@ def traced(name: str, describe) -> None:
 
 def trace_scheduler() -> None:
     traced("_start", lambda s, a, r: {"rows": len(r), "calls": s.last_prefill_calls})
-    traced("_decode", lambda s, a, r: {"rows": len(s._generation), "tokens_out": len(r)})
+    traced("_decode", lambda s, a, r: {"rows": s.num_generating, "batches": len(s._generations), "tokens_out": len(r)})
     traced("advance", lambda s, a, r: {"tokens": s.last_advanced_tokens,
                                        "left": sum(p.todo for p in s._prefills)})
     traced("_prompt", lambda s, a, r: {"rows": len(a[1]), "tokens": max(map(len, a[1])),

@@ -16,8 +16,10 @@ A step has two halves, and the tokens reach clients between them:
   pass computed while the next is computed), so a started request's first token goes
   out at the next step, without the pass of its own that mlx-lm would run to have it
   ready sooner (`LeanGeneration`); on CPUs it is not pipelined (`EagerGeneration`).
-  Prompts start only while the generation batch they join fits in memory: it holds
-  every row padded to the longest (`call_budget.batch_fits`). A prompt that does not fit
+  A generation batch holds every row padded to its longest, so on GPUs rows of unlike
+  KV lengths (a 25K-token context beside short chats) decode in batches of their own,
+  a pass each (`generation_for`); on CPUs all share one. Prompts start only while the
+  batch they join fits in memory (`call_budget.batch_fits`). A prompt that does not fit
   waits, and the prompts behind it with it, until rows finish.
 - `advance()` spends what is left of the budget on one chunk of the shortest prompt
   that is too long to start at once. With `step_s` set, the chunk is sized from that
@@ -45,7 +47,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shape
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
-from appliance.engine.sampling import GREEDY
 from appliance.models.memory import free_bytes
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
@@ -58,6 +59,13 @@ DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both
 MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
 MIN_SHAPE_TOKENS = 32  # the shortest length a GPU's batched prefill call is padded to
 GPU_SHAPE_TOKENS = 256  # GPU prefill calls come in multiples of this (see Scheduler.shape_tokens)
+# On GPUs rows decode in generation batches of like KV lengths (`generation_for`): a batch
+# pads every row to its longest, and on an H200 eight short rows beside one 25K row
+# decoded at 45-150 ms a step against 10 ms alone (the padded rows' array mask keeps
+# attention off the fused kernel). Each batch costs a pass over the weights a step.
+LENGTH_RATIO = 4  # rows join a batch whose longest KV is at most this many times theirs ...
+LENGTH_FLOOR = 2048  # ... or than this many tokens: below it, padding costs less than a pass
+MAX_GENERATIONS = 3  # batches at most: past that, rows join the nearest
 
 
 @dataclass
@@ -126,6 +134,27 @@ def extend_first(batches: list[PromptProcessingBatch]) -> PromptProcessingBatch:
     return batches[0]
 
 
+def generation_tokens(rows: Any) -> int:
+    """Returns the length every row of a generation batch's KV buffers has (0: none yet)."""
+    caches = getattr(rows, "prompt_cache", None) or []
+    keys = getattr(caches[0], "keys", None) if caches else None
+    return 0 if keys is None else int(keys.shape[2])
+
+
+def generation_for(lengths: list[int], length: int, *, most: int = MAX_GENERATIONS) -> int | None:
+    """Returns which of the generation batches whose KV buffers hold `lengths` tokens rows
+    of `length` tokens join (the nearest whose longest is within `LENGTH_RATIO` of theirs,
+    counting any length under `LENGTH_FLOOR` as that); None: a batch of their own, while
+    there are fewer than `most`."""
+    def ratio(other: int) -> float:
+        return max(other, length) / max(min(other, length), LENGTH_FLOOR, 1)
+
+    nearest = min(range(len(lengths)), key=lambda i: ratio(lengths[i]), default=None)
+    if nearest is not None and (ratio(lengths[nearest]) <= LENGTH_RATIO or len(lengths) >= most):
+        return nearest
+    return None
+
+
 @dataclass(frozen=True)
 class Generated:
     """One decoded token of one request (mirrors mlx-lm's GenerationBatch.Response)."""
@@ -140,7 +169,7 @@ class Generated:
 
 class Scheduler:
     def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None,
-                 lookahead: bool = False, shape_tokens: int = 1):
+                 lookahead: bool = False, shape_tokens: int = 1, apart: bool = False):
         self.model = model
         self.chunk_tokens = chunk_tokens
         # Lone prefill calls take multiples of this many tokens (the last one padded):
@@ -149,7 +178,10 @@ class Scheduler:
         self.step_s = step_s  # None: chunks are sized by tokens only
         self._prefills: list[_Prefill] = []
         self._generation_class = LeanGeneration if lookahead else EagerGeneration
-        self._generation = self._generation_class.empty(model, GREEDY)
+        # The generation batches, rows of like KV lengths in each when `apart` (GPUs;
+        # `generation_for`), else one; none while nothing decodes.
+        self._generations: list = []
+        self._apart = apart
         self._next_uid = 0
         self._budget_left = 0
         self._start_s_per_token: float | None = None  # measured when prompts were last started
@@ -171,10 +203,15 @@ class Scheduler:
         """Returns a scheduler for `model` with `limits`, set for the device MLX runs on."""
         gpu = device_kind() == "gpu"
         return cls(model, chunk_tokens=limits.prefill_chunk_tokens, step_s=limits.prefill_step_s,
-                   lookahead=gpu, shape_tokens=GPU_SHAPE_TOKENS if gpu else 1)
+                   lookahead=gpu, shape_tokens=GPU_SHAPE_TOKENS if gpu else 1, apart=gpu)
 
     def __len__(self) -> int:
-        return len(self._prefills) + len(self._generation)
+        return len(self._prefills) + self.num_generating
+
+    @property
+    def num_generating(self) -> int:
+        """Returns how many requests are decoding, in all generation batches."""
+        return sum(map(len, self._generations))
 
     def insert(self, prompt: list[int], *, max_tokens: int, cache: list | None, cached_tokens: list[int],
                sampler: Any, processors: list, stop: StopSequences) -> int:
@@ -213,8 +250,10 @@ class Scheduler:
     def _start(self) -> list[int]:
         """Prefills, in one batched call, the shortest prompts whose padded size fits the
         budget, and moves them into the generation batch."""
-        budget = self.chunk_tokens * (1 if len(self._generation) else IDLE_BUDGET_FACTOR)
-        rows, tokens = len(self._generation), self._generation_tokens()
+        budget = self.chunk_tokens * (1 if self.num_generating else IDLE_BUDGET_FACTOR)
+        # The batches the starting rows join: their rows and the length they pad them to.
+        lengths = [generation_tokens(g) for g in self._generations]
+        rows = [len(g) for g in self._generations]
         free: list[int | None] = []  # read once, when a prompt would join others (a driver call on CUDA)
         starting: list[_Prefill] = []
         for p in sorted(self._prefills, key=lambda p: p.todo):
@@ -223,11 +262,15 @@ class Scheduler:
                 break
             if p.todo > START_STEPS * self._timed_chunk(p):
                 continue
-            tokens = max(tokens, len(p.batch.tokens[0]) + len(p.remaining) + STEP_TOKENS)
-            if (rows or starting) and self._shape is not None:
+            tokens = len(p.batch.tokens[0]) + len(p.remaining) + STEP_TOKENS
+            i = self._joins(lengths, tokens)
+            if i is None:
+                i, lengths, rows = len(lengths), [*lengths, 0], [*rows, 0]
+            if rows[i] and self._shape is not None:
                 free = free or [self._free()]
-                if not batch_fits(self._shape, rows=rows + len(starting) + 1, tokens=tokens, free=free[0]):
+                if not batch_fits(self._shape, rows=rows[i] + 1, tokens=max(lengths[i], tokens), free=free[0]):
                     break  # it waits for rows to finish, and the prompts behind it with it
+            lengths[i], rows[i] = max(lengths[i], tokens), rows[i] + 1
             starting.append(p)
         self._budget_left = self.chunk_tokens
         self.last_prefill_calls = 0
@@ -253,18 +296,41 @@ class Scheduler:
                         self._fastest_start_s_per_token = min(self._start_s_per_token,
                                                               self._fastest_start_s_per_token or float("inf"))
                 parts.append(part)
-        batch = extend_first(parts)
-        self._generation.extend(self._generation_class(
-            self.model, batch.uids, mx.array([p.remaining[-1] for p in starting]), batch.prompt_cache,
-            batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
-            batch.stop_sequences, batch.max_tokens))
+        last = {p.uid: p.remaining[-1] for p in starting}  # each row's first decode input
+        for joining, part_group in self._by_generation(parts):
+            batch = extend_first(part_group)
+            started_rows = self._generation_class(
+                self.model, batch.uids, mx.array([last[u] for u in batch.uids]), batch.prompt_cache,
+                batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
+                batch.stop_sequences, batch.max_tokens)
+            if joining is None:
+                self._generations.append(started_rows)
+            else:
+                joining.extend(started_rows)
         return [p.uid for p in starting]
 
-    def _generation_tokens(self) -> int:
-        """Returns the length every row of the generation batch's KV buffers has (0: none)."""
-        caches = getattr(self._generation, "prompt_cache", None) or []
-        keys = getattr(caches[0], "keys", None) if caches else None
-        return 0 if keys is None else int(keys.shape[2])
+    def _joins(self, lengths: list[int], length: int) -> int | None:
+        """Returns which generation batch (by the lengths of their KV buffers) rows of
+        `length` tokens join; None: one of their own. With `apart` the one of like lengths
+        (`generation_for`), else the one batch there is."""
+        if self._apart:
+            return generation_for(lengths, length)
+        return 0 if lengths else None
+
+    def _by_generation(self, parts: list[PromptProcessingBatch]) -> list[tuple[Any, list[PromptProcessingBatch]]]:
+        """Returns `parts` grouped by the generation batch each joins (None: a new one), in
+        order of first appearance."""
+        lengths = [generation_tokens(g) for g in self._generations]
+        joining: list = list(self._generations)
+        groups: dict[int, list[PromptProcessingBatch]] = {}
+        for part in parts:
+            length = max(map(len, part.tokens))
+            i = self._joins(lengths, length)
+            if i is None:  # a batch of its own, which later parts may join
+                i, lengths, joining = len(lengths), [*lengths, length], [*joining, None]
+            lengths[i] = max(lengths[i], length)
+            groups.setdefault(i, []).append(part)
+        return [(joining[i], group) for i, group in groups.items()]
 
     def advance(self) -> None:
         """Spends the rest of this step's budget on one chunk of the shortest prompt left,
@@ -338,7 +404,7 @@ class Scheduler:
 
     def _alone(self) -> bool:
         """Returns whether one prompt is prefilling and nothing is decoding."""
-        return not len(self._generation) and len(self._prefills) == 1
+        return not self.num_generating and len(self._prefills) == 1
 
     def _pass_tokens(self) -> float:
         """Returns what one more model call costs, in prompt tokens' worth of prefill time."""
@@ -347,14 +413,17 @@ class Scheduler:
         return self._pass_s / self._fastest_start_s_per_token
 
     def _decode(self) -> list[Generated]:
-        if not len(self._generation):
-            return []
-        started = time.perf_counter()
-        responses = self._generation.next()
-        elapsed = time.perf_counter() - started
-        self._pass_s = min(self._pass_s or elapsed, elapsed)
-        return [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
-                for r in responses]
+        """Runs one decode step of every generation batch (a pass each); drops the emptied."""
+        generated = []
+        for rows in self._generations:
+            started = time.perf_counter()
+            responses = rows.next()
+            elapsed = time.perf_counter() - started
+            self._pass_s = min(self._pass_s or elapsed, elapsed)
+            generated += [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
+                          for r in responses]
+        self._generations = [rows for rows in self._generations if len(rows)]
+        return generated
 
     def extract(self, uid: int, *, copy: bool = True) -> tuple[list | None, list[int] | None]:
         """Returns the request's KV and the tokens it holds: a copy, or with `copy=False`
@@ -364,9 +433,10 @@ class Scheduler:
                 if not p.batch.tokens[0]:  # nothing computed yet: no KV to hand back
                     return None, None
                 return self._row(p.batch.prompt_cache, 0, copy), list(p.batch.tokens[0])
-        if uid in self._generation.uids:
-            i = self._generation.uids.index(uid)
-            return self._row(self._generation.prompt_cache, i, copy), list(self._generation.tokens[i])
+        for rows in self._generations:
+            if uid in rows.uids:
+                i = rows.uids.index(uid)
+                return self._row(rows.prompt_cache, i, copy), list(rows.tokens[i])
         return None, None
 
     @staticmethod
@@ -382,7 +452,9 @@ class Scheduler:
             if p.uid == uid:
                 self._prefills.remove(p)
                 return kept
-        if uid in self._generation.uids:
-            i = self._generation.uids.index(uid)
-            self._generation.filter([j for j in range(len(self._generation)) if j != i])
+        for rows in self._generations:
+            if uid in rows.uids:
+                i = rows.uids.index(uid)
+                rows.filter([j for j in range(len(rows)) if j != i])
+        self._generations = [rows for rows in self._generations if len(rows)]
         return kept

@@ -9,11 +9,16 @@ import pytest
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
+from appliance.engine import scheduler
 from appliance.engine.sampling import GREEDY, GREEDY_WITH_LOGPROBS
 from appliance.engine.scheduler import (
     ALONE_STEPS,
+    LENGTH_FLOOR,
+    LENGTH_RATIO,
     MIN_CHUNK_TOKENS,
     Scheduler,
+    generation_for,
+    generation_tokens,
     padded_length,
     row_groups,
     split_by_length,
@@ -361,14 +366,14 @@ def test_a_wave_on_a_gpu_meets_few_shapes_and_gets_the_same_greedy_tokens(loaded
     assert bucketed == run(shape_tokens=1)[0]
 
 
-def test_prompts_wait_while_the_batch_they_would_join_does_not_fit_in_memory(loaded_model):
+def test_prompts_wait_while_the_batch_they_would_join_does_not_fit_in_memory(loaded_model, monkeypatch):
     """One long request decodes; seven short ones arrive. The batch pads every row to the
     long one's length, and memory is stubbed to hold four such rows: three start, the
     others wait for rows to finish, and every request gets the tokens it gets unhindered."""
     from appliance.engine.call_budget import RESERVE_FRACTION
 
-    def run(limit_rows: int | None) -> tuple[dict[int, list[int]], int]:
-        s = Scheduler(loaded_model.model, chunk_tokens=2048, step_s=None)
+    def run(limit_rows: int | None, apart: bool = False) -> tuple[dict[int, list[int]], int]:
+        s = Scheduler(loaded_model.model, chunk_tokens=2048, step_s=None, apart=apart)
         out: dict[int, list[int]] = {}
 
         def add(n: int, seed: int, max_tokens: int) -> None:
@@ -383,14 +388,14 @@ def test_prompts_wait_while_the_batch_they_would_join_does_not_fit_in_memory(loa
         add(1500, 0, max_tokens=12)
         step()  # the long one starts and decodes
         if limit_rows is not None:
-            room = limit_rows * s._generation_tokens() * s._shape.kv_bytes_per_token
+            room = limit_rows * generation_tokens(s._generations[0]) * s._shape.kv_bytes_per_token
             s._free = lambda: int(room / (1 - RESERVE_FRACTION)) + 1
         for seed in range(1, 8):
             add(30 + seed, seed, max_tokens=4)
         most = 0
         while len(s):
             step()
-            most = max(most, len(s._generation))
+            most = max(most, s.num_generating)
         return out, most
 
     limited, most = run(limit_rows=4)
@@ -399,6 +404,10 @@ def test_prompts_wait_while_the_batch_they_would_join_does_not_fit_in_memory(loa
     assert most_free == 8
     assert limited == free
     assert all(len(t) == (12 if i == 0 else 4) for i, t in limited.items())
+    # Apart, the short rows decode in a batch of their own, unpadded: all of them fit.
+    monkeypatch.setattr(scheduler, "LENGTH_FLOOR", 16)
+    apart, most_apart = run(limit_rows=4, apart=True)
+    assert most_apart == 8 and apart == free
 
 
 def test_a_batch_fits_when_its_padded_rows_fit_under_the_free_memory():
@@ -410,3 +419,64 @@ def test_a_batch_fits_when_its_padded_rows_fit_under_the_free_memory():
     assert not batch_fits(shape, rows=9, tokens=1000, free=free)
     assert batch_fits(None, rows=10**6, tokens=10**6, free=free)  # nothing to judge by
     assert batch_fits(shape, rows=10**6, tokens=10**6, free=None)
+
+
+def test_rows_join_the_generation_batch_of_like_kv_lengths():
+    assert generation_for([], 100) is None  # the first batch
+    assert generation_for([300], 100) == 0  # both under the floor: padding is cheap
+    assert generation_for([LENGTH_FLOOR * LENGTH_RATIO], 100) == 0  # at the ratio, counted from the floor
+    assert generation_for([LENGTH_FLOOR * LENGTH_RATIO + 256], 100) is None  # past it: a batch of its own
+    assert generation_for([300, 25_000], 24_000) == 1  # the nearest
+    assert generation_for([300, 25_000], 4_000) == 0
+    assert generation_for([300, 25_000], 100_000, most=2) == 1  # no room for another: the nearest
+
+
+def test_apart_rows_of_unlike_lengths_decode_in_batches_of_their_own(loaded_model, monkeypatch):
+    """A long row and short ones decode in two batches, a pass each a step, to the tokens
+    they decode in one padded batch; requests leave either, and an emptied batch goes."""
+    monkeypatch.setattr(scheduler, "LENGTH_FLOOR", 16)
+
+    def run(apart: bool, lookahead: bool) -> tuple[dict[int, list[int]], int, int]:
+        model = CountingModel(loaded_model.model)
+        s = Scheduler(model, chunk_tokens=1024, step_s=None, lookahead=lookahead, apart=apart)
+        args = {"cache": None, "cached_tokens": [], "sampler": GREEDY, "processors": [], "stop": StopSequences()}
+        out = {s.insert(tokens(600, 0), max_tokens=10, **args): []}
+        for g in s.step()[1]:
+            out[g.uid].append(g.token)
+        s.advance()
+        for seed in (1, 2):
+            out[s.insert(tokens(20 + seed, seed), max_tokens=4, **args)] = []
+        most, passes = 0, 0
+        while len(s):
+            calls = model.calls
+            started, generated = s.step()
+            if not started:
+                passes = max(passes, model.calls - calls)
+            most = max(most, len(s._generations))
+            for g in generated:
+                out[g.uid].append(g.token)
+            s.advance()
+        assert s._generations == []
+        return out, most, passes
+
+    for lookahead in (False, True):
+        together, one, one_pass = run(apart=False, lookahead=lookahead)
+        apart, two, two_passes = run(apart=True, lookahead=lookahead)
+        assert apart == together and [len(t) for t in apart.values()] == [10, 4, 4]
+        assert (one, one_pass) == (1, 1) and (two, two_passes) == (2, 2)
+
+
+def test_apart_a_request_is_found_and_removed_in_its_own_batch(loaded_model, monkeypatch):
+    monkeypatch.setattr(scheduler, "LENGTH_FLOOR", 16)
+    s = Scheduler(loaded_model.model, chunk_tokens=1024, step_s=None, apart=True)
+    long = insert(s, tokens(600, 0))
+    s.step()
+    short = insert(s, tokens(20, 1))
+    s.step()
+    assert len(s._generations) == 2
+    cache, held = s.extract(short)
+    assert held is not None and cache[0].offset == len(held) == 20  # its own tokens, unpadded
+    s.remove(long, keep_cache=False)
+    assert len(s._generations) == 1 and s._generations[0].uids == [short]
+    s.remove(short, keep_cache=False)
+    assert s._generations == [] and len(s) == 0
