@@ -200,12 +200,17 @@ def main() -> int:
                         record(n, f"round {r} {label}", name,
                                lambda p, e=engine, s=stagger: run_engine(e, p, decode=args.decode, stagger_s=s), own)
     finally:
-        for engine in {id(e): e for e in engines.values()}.values():
-            engine.stop(drain_s=0)
-            if engine.cache is not None:
-                engine.cache.store.close()  # its SSD writer is done before the dir goes
-        tmp.cleanup()
+        stop_engines(engines.values(), tmp)
     return 0
+
+
+def stop_engines(engines, tmp: tempfile.TemporaryDirectory) -> None:
+    """Stops each of `engines` once and closes its store, then removes `tmp`."""
+    for engine in {id(e): e for e in engines}.values():
+        engine.stop(drain_s=0)
+        if engine.cache is not None:
+            engine.cache.store.close()  # its SSD writer is done before the dir goes
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

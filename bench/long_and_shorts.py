@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.batch_steps import cached_engine  # noqa: E402
+from bench.batch_steps import cached_engine, stop_engines  # noqa: E402
 from bench.prefill_paths import generated_model, loaded_model, log, prompt_of  # noqa: E402
 
 TRACE: list[dict] = []  # one entry per traced scheduler call, in order
@@ -147,9 +147,7 @@ def main() -> int:
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(results, indent=1))
     finally:
-        engine.stop(drain_s=0)
-        engine.cache.store.close()  # its SSD writer is done before the dir goes
-        tmp.cleanup()
+        stop_engines([engine], tmp)
     return 0
 
 

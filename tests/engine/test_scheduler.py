@@ -258,12 +258,17 @@ def test_with_look_ahead_a_joining_prompt_gets_no_pass_of_its_own_and_the_same_t
     assert ahead_handed == [0] and eager_handed == [0, 1]
 
 
-def test_with_look_ahead_a_chunk_waits_a_step_for_the_first_tokens_of_started_rows(loaded_model):
-    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=True)
+def chunking(model, *, lookahead: bool):
+    """Returns a scheduler prefilling a long prompt in chunks of 256 tokens, and that prompt."""
+    s = Scheduler(model, chunk_tokens=256, step_s=None, lookahead=lookahead)
     insert(s, tokens(3000))
-    long = s._prefills[0]
     s.step()
-    s.advance()  # alone: chunks of it
+    s.advance()
+    return s, s._prefills[0]
+
+
+def test_with_look_ahead_a_chunk_waits_a_step_for_the_first_tokens_of_started_rows(loaded_model):
+    s, long = chunking(loaded_model.model, lookahead=True)  # alone: chunks of it
     decoding = s.insert(tokens(30, seed=1), max_tokens=20, cache=None, cached_tokens=[], sampler=GREEDY,
                         processors=[], stop=StopSequences())
     s.step()  # starts it; its first token comes out of the next pass
@@ -277,11 +282,7 @@ def test_with_look_ahead_a_chunk_waits_a_step_for_the_first_tokens_of_started_ro
 
 
 def test_a_chunk_gives_way_to_started_rows_never_twice_running(loaded_model):
-    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=True)
-    insert(s, tokens(3000))
-    long = s._prefills[0]
-    s.step()
-    s.advance()
+    s, long = chunking(loaded_model.model, lookahead=True)
     advanced = []
     for seed in range(1, 5):  # a new short prompt every step
         insert(s, tokens(20, seed=seed))
@@ -294,11 +295,7 @@ def test_a_chunk_gives_way_to_started_rows_never_twice_running(loaded_model):
 
 
 def test_without_look_ahead_a_chunk_runs_in_the_step_that_started_rows(loaded_model):
-    s = Scheduler(loaded_model.model, chunk_tokens=256, step_s=None, lookahead=False)
-    insert(s, tokens(3000))
-    long = s._prefills[0]
-    s.step()
-    s.advance()
+    s, long = chunking(loaded_model.model, lookahead=False)
     insert(s, tokens(30, seed=1))
     _, generated = s.step()  # its first token is out already
     before = long.todo
