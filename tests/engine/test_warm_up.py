@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.engine import warm_up as warm_up_module
 from appliance.engine.scheduler import Scheduler
-from appliance.engine.warm_up import gpu_warm_up_batch, gpu_warm_up_lengths, warm_up
+from appliance.engine.warm_up import gpu_warm_up_lengths, warm_up
 from appliance.spec import BatchingSpec
 
 pytestmark = pytest.mark.slow
@@ -26,21 +25,3 @@ def test_long_prompts_warm_up_on_gpus_only(loaded_model):
     lengths = gpu_warm_up_lengths(BatchingSpec(prefill_chunk_tokens=512), context_tokens=2048)
     assert lengths == ([1025] if mx.default_device() == mx.gpu else [])
     assert gpu_warm_up_lengths(BatchingSpec(prefill_chunk_tokens=4096), context_tokens=2048) in ([2048], [])
-
-
-def test_on_gpus_two_prompts_of_unlike_lengths_start_together(loaded_model, monkeypatch):
-    prompt = tuple(range(100, 130))
-    assert gpu_warm_up_batch(prompt) == []  # this CPU
-    monkeypatch.setattr(warm_up_module, "device_kind", lambda: "gpu")
-    a, b = gpu_warm_up_batch(prompt)
-    assert a == prompt and len(b) > len(a)
-
-    limits = BatchingSpec(prefill_chunk_tokens=64)
-    scheduler = Scheduler(loaded_model.model, chunk_tokens=64, lookahead=True, shape_tokens=256, apart=True)
-    rows = []
-    prompt_call = scheduler._prompt
-    monkeypatch.setattr(scheduler, "_prompt", lambda batch, todo, **kw: (rows.append(len(todo)),
-                                                                           prompt_call(batch, todo, **kw)))
-    warm_up(loaded_model, scheduler, limits)
-    assert 2 in rows  # the padded batch path ran
-    assert len(scheduler) == 0 and scheduler.extract(0) == (None, None)
