@@ -217,8 +217,7 @@ class Engine:
         with self._cond:
             self.limits = limits
             if self._scheduler is not None:
-                self._scheduler.chunk_tokens = limits.prefill_chunk_tokens
-                self._scheduler.step_s = limits.prefill_step_s
+                self._scheduler.set_limits(limits)
             self._cond.notify()
 
     def cancel(self, slot: Slot) -> None:

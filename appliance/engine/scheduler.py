@@ -36,6 +36,7 @@ A step has two halves, and the tokens reach clients between them:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +45,11 @@ import mlx.nn as nn
 from mlx_lm.generate import PromptProcessingBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from appliance.engine import attention
 from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shape
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
+from appliance.kernels.registry import backend
 from appliance.models.memory import free_bytes
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
@@ -82,19 +85,23 @@ class _Prefill:
         return len(self.remaining) - 1  # the last token is the first decode step's input
 
 
-def split_by_length(prompts: list[_Prefill], pass_tokens: float, shape_tokens: int = 1) -> list[list[_Prefill]]:
+def split_by_length(prompts: list[_Prefill], pass_tokens: float, shape_tokens: int = 1,
+                    grouped: Callable[[int, int], bool] = lambda rows, length: True) -> list[list[_Prefill]]:
     """Returns `prompts` (shortest prompt first) cut into consecutive sub-batches at the
     least cost: a sub-batch costs its padded size (count x its longest prompt, in tokens)
     plus `pass_tokens` for each call it takes. Where shapes are fixed (`shape_tokens` > 1:
-    GPUs) a sub-batch runs as `row_groups` calls, one per power of two in its count, each
-    padded to `padded_length`: on an H200 a split blind to both cut 20 prompts into 12
-    calls (0.41 s to start them)."""
+    GPUs) each is padded to `padded_length`, and one that is `grouped(rows, length)`
+    runs as `row_groups` calls, one per power of two in its count: on an H200 a split
+    blind to both cut 20 prompts into 12 calls (0.41 s to start them)."""
     lengths = [p.todo if shape_tokens <= 1 else padded_length(p.todo, shape_tokens) for p in prompts]
-    calls = (lambda n: 1) if shape_tokens <= 1 else (lambda n: n.bit_count())
+
+    def calls(rows: int, length: int) -> int:
+        return rows.bit_count() if shape_tokens > 1 and grouped(rows, length) else 1
+
     best = [0.0]  # best[j]: the cost of the first j prompts
     cut = [0]  # cut[j]: where the last sub-batch of that best split starts
     for j in range(1, len(prompts) + 1):
-        cost, i = min((best[i] + (j - i) * lengths[j - 1] + calls(j - i) * pass_tokens, i)
+        cost, i = min((best[i] + (j - i) * lengths[j - 1] + calls(j - i, lengths[j - 1]) * pass_tokens, i)
                       for i in range(max(0, j - MAX_SUB_BATCH), j))
         best.append(cost)
         cut.append(i)
@@ -169,8 +176,12 @@ class Generated:
 
 class Scheduler:
     def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None,
-                 lookahead: bool = False, shape_tokens: int = 1, apart: bool = False):
+                 lookahead: bool = False, shape_tokens: int = 1, apart: bool = False, composing: bool = False):
         self.model = model
+        attention.install(model)
+        # Short prefill calls compose their attention (engine/attention.py); on GPUs such a
+        # call needs no power-of-two count of rows (`row_groups`): no graph per shape.
+        self.composing = composing
         self.chunk_tokens = chunk_tokens
         # Lone prefill calls take multiples of this many tokens (the last one padded):
         # MLX CUDA compiles kernels per shape, ~1 s for a new one on an H200.
@@ -202,8 +213,16 @@ class Scheduler:
     def for_device(cls, model: nn.Module, limits: BatchingSpec) -> Scheduler:
         """Returns a scheduler for `model` with `limits`, set for the device MLX runs on."""
         gpu = device_kind() == "gpu"
-        return cls(model, chunk_tokens=limits.prefill_chunk_tokens, step_s=limits.prefill_step_s,
-                   lookahead=gpu, shape_tokens=GPU_SHAPE_TOKENS if gpu else 1, apart=gpu)
+        scheduler = cls(model, chunk_tokens=limits.prefill_chunk_tokens, lookahead=gpu,
+                        shape_tokens=GPU_SHAPE_TOKENS if gpu else 1, apart=gpu)
+        scheduler.set_limits(limits)
+        return scheduler
+
+    def set_limits(self, limits: BatchingSpec) -> None:
+        """Applies `limits`' prefill settings from the next step on."""
+        self.chunk_tokens = limits.prefill_chunk_tokens
+        self.step_s = limits.prefill_step_s
+        self.composing = attention.resolve(limits.short_attention, backend())
 
     def __len__(self) -> int:
         return len(self._prefills) + self.num_generating
@@ -238,7 +257,7 @@ class Scheduler:
     def step(self) -> tuple[list[int], list[Generated]]:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
             t1 = time.perf_counter()
@@ -279,8 +298,9 @@ class Scheduler:
         for p in starting:
             self._prefills.remove(p)
         parts = []
-        for sub in split_by_length(starting, self._pass_tokens(), self.shape_tokens):
-            for group in row_groups(sub) if self.shape_tokens > 1 else [sub]:
+        for sub in split_by_length(starting, self._pass_tokens(), self.shape_tokens, self._grouped):
+            length = padded_length(max(p.todo for p in sub), self.shape_tokens)
+            for group in row_groups(sub) if self.shape_tokens > 1 and self._grouped(len(sub), length) else [sub]:
                 part = extend_first([p.batch for p in group])
                 todo = [p.remaining[:-1] for p in group]
                 longest = max(map(len, todo))
@@ -308,6 +328,12 @@ class Scheduler:
             else:
                 joining.extend(started_rows)
         return [p.uid for p in starting]
+
+    def _grouped(self, rows: int, length: int) -> bool:
+        """Returns whether a start call of `rows` prompts padded to `length` tokens is cut
+        into power-of-two counts of rows: unless its attention composes."""
+        heads = self._shape.heads if self._shape is not None else 1
+        return not (self.composing and attention.is_short(rows, heads, length, length))
 
     def _joins(self, lengths: list[int], length: int) -> int | None:
         """Returns which generation batch (by the lengths of their KV buffers) rows of
@@ -347,7 +373,7 @@ class Scheduler:
         if n < p.todo:  # a cut chunk keeps to whole shapes; the prompt's last one is padded
             n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), attention.composing(self.composing):
             started = time.perf_counter()
             self._prompt(p.batch, [p.remaining[:n]])
         p.s_per_token = self._measured(started, n, p.s_per_token)

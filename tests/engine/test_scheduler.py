@@ -23,6 +23,7 @@ from appliance.engine.scheduler import (
     row_groups,
     split_by_length,
 )
+from appliance.spec import BatchingSpec
 
 pytestmark = pytest.mark.slow
 
@@ -477,3 +478,23 @@ def test_apart_a_request_is_found_and_removed_in_its_own_batch(loaded_model, mon
     assert len(s._generations) == 1 and s._generations[0].uids == [short]
     s.remove(short, keep_cache=False)
     assert s._generations == [] and len(s) == 0
+
+
+def test_a_composed_wave_on_a_gpu_starts_in_one_call_with_the_same_greedy_tokens(loaded_model):
+    """Where short calls compose their attention, a wave needs no power-of-two counts of
+    rows: no attention graph is built per shape."""
+    lengths = (15, 22, 40, 41, 60, 90, 130)
+    model = CountingModel(loaded_model.model)
+    s = Scheduler(model, chunk_tokens=512, step_s=None, shape_tokens=64, composing=True)
+    s._pass_s, s._fastest_start_s_per_token = 1e9, 1.0  # one sub-batch
+    rows = [[t for t, _ in row] for row in decode(s, [GREEDY] * len(lengths), lengths).values()]
+    assert [shape for shape in model.shapes if shape[1] > 1] == [(7, 192)]
+    unpadded = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    assert rows == [[t for t, _ in row] for row in decode(unpadded, [GREEDY] * len(lengths), lengths).values()]
+
+
+def test_short_attention_follows_the_limits(loaded_model):
+    s = Scheduler.for_device(loaded_model.model, BatchingSpec())
+    assert not s.composing  # auto, on this CPU
+    s.set_limits(BatchingSpec(short_attention="composed", prefill_chunk_tokens=256))
+    assert s.composing and s.chunk_tokens == 256
