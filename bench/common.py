@@ -144,11 +144,14 @@ class ServerProcess:
 def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued: int,
                 prefill_chunk_tokens: int | None = None, log_name: str = "omlx",
                 code: Path = REPO, profile: str | None = None, dtype: str = "float32",
-                memory_gb: float | None = None, ssd_kv_bits: int = 16, host_kv_bits: int = 16) -> ServerProcess:
+                memory_gb: float | None = None, ssd_kv_bits: int = 16, host_kv_bits: int = 16,
+                batching: tuple[str, ...] = ()) -> ServerProcess:
     """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`,
-    running the `appliance` package of the checkout at `code`, under one of its `profile`s."""
+    running the `appliance` package of the checkout at `code`, under one of its `profile`s;
+    `batching`: more `[batching]` lines (`key = value`, the value in TOML)."""
     port = free_port()
     chunk = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
+    chunk += "".join(f"{line}\n" for line in batching)
     memory = f"memory_gb = {memory_gb}\n" if memory_gb is not None else ""
     memory += f"ssd_kv_bits = {ssd_kv_bits}\n" if ssd_kv_bits != 16 else ""
     memory += f"host_kv_bits = {host_kv_bits}\n" if host_kv_bits != 16 else ""

@@ -624,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve this model directory (with a tokenizer; e.g. from bench/gpu_model.py) in its "
                              f"own dtype, instead of the converted float32 test model; N defaults to {GPU_CONCURRENCY}")
     parser.add_argument("--profile", metavar="NAME", help="an omlx profile from profiles/ (e.g. nvidia-h200)")
+    parser.add_argument("--omlx-batching", action="append", default=[], metavar="LINE",
+                        help='one more [batching] line for omlx\'s config, e.g. \'short_attention = "fused"\'')
     parser.add_argument("--mlx-lm-batch", action="store_true",
                         help="also run scenario A's prompts through mlx_lm's batch_generate, in-process, "
                              "after the servers have stopped")
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp, contextlib.ExitStack() as stack:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
-                               dtype=dtype)]
+                               dtype=dtype, batching=tuple(args.omlx_batching))]
         if not args.omlx_only:
             servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
         for server in servers:
