@@ -203,10 +203,10 @@ class BatchingSpec(Frozen):
     # A one-layer stand-in of each model warms up its shapes while the model loads
     # (engine/stand_in.py); "auto": on CUDA, where kernels compile per shape.
     warm_up_beside_load: Literal["auto", "on", "off"] = "auto"
-    # Short prefill calls (chat-sized prompts started together) run attention composed of
-    # plain MLX ops instead of the fused kernel, which on CUDA builds a cuDNN graph per
-    # shape (engine/attention.py); "auto": composed on CUDA.
-    short_attention: Literal["auto", "composed", "fused"] = "auto"
+    # Short prefill calls (chat-sized prompts started together) may run attention composed
+    # of plain MLX ops instead of the fused kernel, which on CUDA builds a cuDNN graph per
+    # shape (engine/attention.py). On an H200 that made starts faster and decode slower.
+    short_attention: Literal["fused", "composed"] = "fused"
 
     @property
     def prefill_step_s(self) -> float | None:

@@ -6,7 +6,7 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,fused,agents,70b,quant70b
+#                                  # restore8,quant,throughput,composed,agents,70b,quant70b
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -101,12 +101,12 @@ case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 ${THROUGHPUT_ARGS:---mlx-lm-batch} \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
-case ",$STEPS," in *,fused,*)  # item 5's A/B: short calls' attention fused (cuDNN graphs), as before 2026-12-05
+case ",$STEPS," in *,composed,*)  # item 5's A/B: short calls' attention composed (no cuDNN graphs)
   model 8b
   mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-fused.jsonl \
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-composed.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
-    --omlx-batching 'short_attention = "fused"' --out "$OUT/throughput-fused.json" 2>&1 | tail -14 ;; esac
+    --omlx-batching 'short_attention = "composed"' --out "$OUT/throughput-composed.json" 2>&1 | tail -14 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
   model 8b
   step python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \

@@ -1,5 +1,5 @@
 """Which attention a model's short prefill calls take: MLX's fused kernel, or the same
-maths composed of plain MLX ops (`[batching] short_attention`).
+maths composed of plain MLX ops (`[batching] short_attention = "composed"`).
 
 MLX CUDA runs attention with more than one query through cuDNN graphs cached per shape
 and stride, per thread: on an H200 a new key costs ~50 ms, the first of each kind
@@ -9,9 +9,11 @@ a new key nearly every wave (rows x padded length x the KV buffer's length), and
 builds, not the maths, were most of their cost: 7 prompts of ~125 tokens took 0.37 s to
 start over HTTP, against 0.07 s in process once their keys were built. Composed, a short
 call's attention is two matmuls, a `where` and a softmax, kernels with no per-shape
-build. A call counts as short when its scores (rows x heads x queries x keys) are at most
-`SHORT_SCORES`: a chunk of a long prompt is far larger and keeps the fused kernel, whose
-graphs are the same for every prompt (engine/prefill.py).
+build. On the H200 that made a wave's starts faster but its decode steps slower, the
+throughput the same within the noise (BENCHMARKS.md, 2026-12-05 05:05), so the fused
+kernel stays the default. A call counts as short when its scores (rows x heads x
+queries x keys) are at most `SHORT_SCORES`: a chunk of a long prompt is far larger and
+keeps the fused kernel, whose graphs are the same for every prompt (engine/prefill.py).
 
 mlx-lm's models call `mlx_lm.models.base.scaled_dot_product_attention`, imported into each
 model's module; `install` points that name at `attention` here, which composes when the
@@ -34,12 +36,6 @@ SHORT_SCORES = 1 << 26  # attention scores of a short call at most: 128 MiB at 2
 
 _upstream = base.scaled_dot_product_attention
 _thread = threading.local()  # .composing: this thread's calls may compose
-
-
-def resolve(asked: str, backend: str) -> bool:
-    """Returns whether short calls compose, for `[batching] short_attention` = `asked` on
-    `backend` (cuda, metal or cpu): "auto" composes on CUDA only."""
-    return asked == "composed" or (asked == "auto" and backend == "cuda")
 
 
 def is_short(rows: int, heads: int, queries: int, keys: int) -> bool:

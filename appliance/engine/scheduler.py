@@ -49,7 +49,6 @@ from appliance.engine import attention
 from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shape
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
-from appliance.kernels.registry import backend
 from appliance.models.memory import free_bytes
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
@@ -222,7 +221,7 @@ class Scheduler:
         """Applies `limits`' prefill settings from the next step on."""
         self.chunk_tokens = limits.prefill_chunk_tokens
         self.step_s = limits.prefill_step_s
-        self.composing = attention.resolve(limits.short_attention, backend())
+        self.composing = limits.short_attention == "composed"
 
     def __len__(self) -> int:
         return len(self._prefills) + self.num_generating

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from appliance.engine import attention
-from appliance.engine.attention import SHORT_SCORES, composed, composing, install, is_short, resolve
+from appliance.engine.attention import SHORT_SCORES, composed, composing, install, is_short
 
 
 def qkv(rows: int, heads: int, kv_heads: int, length: int, keys: int, dtype=mx.float32):
@@ -38,11 +38,6 @@ def test_a_query_with_every_key_masked_gets_no_nan():
     assert mx.isfinite(out).all().item()
     with pytest.raises(ValueError, match="unknown attention mask"):
         composed(q, k, v, scale=0.5, mask="sliding")
-
-
-def test_auto_composes_on_cuda_only():
-    assert resolve("auto", "cuda") and not resolve("auto", "cpu") and not resolve("auto", "metal")
-    assert resolve("composed", "cpu") and not resolve("fused", "cuda")
 
 
 def test_a_call_is_short_with_several_queries_and_few_scores():

@@ -495,6 +495,6 @@ def test_a_composed_wave_on_a_gpu_starts_in_one_call_with_the_same_greedy_tokens
 
 def test_short_attention_follows_the_limits(loaded_model):
     s = Scheduler.for_device(loaded_model.model, BatchingSpec())
-    assert not s.composing  # auto, on this CPU
+    assert not s.composing  # fused by default
     s.set_limits(BatchingSpec(short_attention="composed", prefill_chunk_tokens=256))
     assert s.composing and s.chunk_tokens == 256
