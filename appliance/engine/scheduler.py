@@ -177,9 +177,6 @@ class Scheduler:
     def __init__(self, model: nn.Module, *, chunk_tokens: int, step_s: float | None = None,
                  lookahead: bool = False, shape_tokens: int = 1, apart: bool = False, composing: bool = False):
         self.model = model
-        attention.install(model)
-        # Short prefill calls compose their attention (engine/attention.py); on GPUs such a
-        # call needs no power-of-two count of rows (`row_groups`): no graph per shape.
         self.composing = composing
         self.chunk_tokens = chunk_tokens
         # Lone prefill calls take multiples of this many tokens (the last one padded):
@@ -222,6 +219,19 @@ class Scheduler:
         self.chunk_tokens = limits.prefill_chunk_tokens
         self.step_s = limits.prefill_step_s
         self.composing = limits.short_attention == "composed"
+
+    @property
+    def composing(self) -> bool:
+        """Whether short prefill calls compose their attention (engine/attention.py); on
+        GPUs such a call needs no power-of-two count of rows (`row_groups`): no graph per
+        shape."""
+        return self._composing
+
+    @composing.setter
+    def composing(self, on: bool) -> None:
+        if on:  # mlx-lm's attention stays untouched until asked
+            attention.install(self.model)
+        self._composing = on
 
     def __len__(self) -> int:
         return len(self._prefills) + self.num_generating
