@@ -4,8 +4,8 @@ mlx-lm's `PromptProcessingBatch.prompt` runs every batch through `BatchKVCache`,
 attention mask is always an array (it allows for left padding); MLX CUDA's fused
 attention computes "causal" itself but turns an array mask into a full additive one
 (heads x chunk x context, 6.7 GB a 2,048-token chunk at a 25K context), so each chunk
-runs ~5x slower at 25K tokens on an H200 (BENCHMARKS.md, "GPU"). It also empties MLX's buffer cache after every chunk, and
-waits for each chunk before it builds the next.
+runs ~5x slower at 25K tokens on an H200 (BENCHMARKS.md, "GPU"). It also empties MLX's
+buffer cache after every chunk, and waits for each chunk before it builds the next.
 
 A batch of one without padding needs none of that: `prefill` runs the chunks through
 plain `KVCache`s that share the `BatchKVCache`s' buffers (so the mask is "causal") and
