@@ -308,8 +308,7 @@ class Scheduler:
             self._prefills.remove(p)
         parts = []
         for sub in split_by_length(starting, self._pass_tokens(), self.shape_tokens, self._grouped):
-            length = padded_length(max(p.todo for p in sub), self.shape_tokens)
-            for group in row_groups(sub) if self.shape_tokens > 1 and self._grouped(len(sub), length) else [sub]:
+            for group in self._calls(sub):
                 part = extend_first([p.batch for p in group])
                 todo = [p.remaining[:-1] for p in group]
                 longest = max(map(len, todo))
@@ -337,6 +336,14 @@ class Scheduler:
             else:
                 joining.extend(started_rows)
         return [p.uid for p in starting]
+
+    def _calls(self, sub: list[_Prefill]) -> list[list[_Prefill]]:
+        """Returns the calls a sub-batch of the split runs as: on GPUs its `row_groups`,
+        unless its attention composes (`_grouped`, as `split_by_length` priced it)."""
+        if self.shape_tokens <= 1:
+            return [sub]
+        length = padded_length(max(p.todo for p in sub), self.shape_tokens)
+        return row_groups(sub) if self._grouped(len(sub), length) else [sub]
 
     def _grouped(self, rows: int, length: int) -> bool:
         """Returns whether a start call of `rows` prompts padded to `length` tokens is cut
