@@ -150,8 +150,8 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
     running the `appliance` package of the checkout at `code`, under one of its `profile`s;
     `batching`: more `[batching]` lines (`key = value`, the value in TOML)."""
     port = free_port()
-    chunk = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
-    chunk += "".join(f"{line}\n" for line in batching)
+    batching_lines = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
+    batching_lines += "".join(f"{line}\n" for line in batching)
     memory = f"memory_gb = {memory_gb}\n" if memory_gb is not None else ""
     memory += f"ssd_kv_bits = {ssd_kv_bits}\n" if ssd_kv_bits != 16 else ""
     memory += f"host_kv_bits = {host_kv_bits}\n" if host_kv_bits != 16 else ""
@@ -176,7 +176,7 @@ dir = "{work_dir / 'cache'}"
 [batching]
 max_running = {max_running}
 max_queued = {max_queued}
-{chunk}""")
+{batching_lines}""")
     return omlx_process(config, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
 
 
