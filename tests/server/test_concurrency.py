@@ -16,8 +16,10 @@ pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is the capital of France?", "Tell me a joke.", "What is 2+2?", "Name a color.",
              "Say hello in Spanish.", "What is the largest ocean?"]
+# EOS banned: the model answers this prompt in ~15 tokens, over before a test could see it
+# running; banned, it runs to max_tokens.
 LONG = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count from one to one hundred."}],
-        "temperature": 0, "max_tokens": 400, "stream": True}
+        "temperature": 0, "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +89,8 @@ def test_streaming_client_that_disconnects_frees_its_slot(small_server: Server):
 def test_non_streaming_client_that_disconnects_frees_its_slot(small_server: Server):
     url = f"{small_server.url}/v1/chat/completions"
     with pytest.raises(httpx.ReadTimeout):
-        # EOS banned: the answer runs to max_tokens, far beyond the client's patience.
-        httpx.post(url, json={**LONG, "stream": False, "max_tokens": 1000, "logit_bias": {"2": -100}},
+        # The answer runs to max_tokens, far beyond the client's patience.
+        httpx.post(url, json={**LONG, "stream": False, "max_tokens": 1000},
                    timeout=httpx.Timeout(60, read=1.5))
     wait_idle(small_server, timeout_s=10)
 
