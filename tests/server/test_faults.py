@@ -322,14 +322,17 @@ def test_garbage_config_mid_run_keeps_the_last_good_one(small: Server):
 
 # --- clients ---------------------------------------------------------------------------
 
-COUNT = [{"role": "user", "content": "Count from one to one hundred."}]
+# At temperature 0 the model writes past 400 tokens for this prompt; the Anthropic and
+# Responses APIs have no logit_bias to ban EOS with, so the prompt keeps the stream going.
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: the answer runs to max_tokens
 STREAMS = {
-    "chat": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": COUNT, "max_tokens": 400,
-                                      "stream": True, "logit_bias": NO_EOS}),
-    "messages": ("/v1/messages", {"model": MODEL_NAME, "messages": COUNT, "max_tokens": 400, "stream": True}),
-    "responses": ("/v1/responses", {"model": MODEL_NAME, "input": COUNT[0]["content"],
-                                    "max_output_tokens": 400, "stream": True}),
+    "chat": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": STORY, "max_tokens": 400,
+                                      "temperature": 0, "stream": True, "logit_bias": NO_EOS}),
+    "messages": ("/v1/messages", {"model": MODEL_NAME, "messages": STORY, "max_tokens": 400,
+                                  "temperature": 0, "stream": True}),
+    "responses": ("/v1/responses", {"model": MODEL_NAME, "input": STORY[0]["content"],
+                                    "max_output_tokens": 400, "temperature": 0, "stream": True}),
 }
 
 
