@@ -464,8 +464,12 @@ class Scheduler:
             self._pass_s = min(self._pass_s or elapsed, elapsed)
             generated += [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
                           for r in responses]
-        self._generations = [rows for rows in self._generations if len(rows)]
+        self._drop_emptied()
         return generated
+
+    def _drop_emptied(self) -> None:
+        """Drops the generation batches whose rows have all finished or been removed."""
+        self._generations = [rows for rows in self._generations if len(rows)]
 
     def extract(self, uid: int, *, copy: bool = True) -> tuple[list | None, list[int] | None]:
         """Returns the request's KV and the tokens it holds: a copy, or with `copy=False`
@@ -498,5 +502,5 @@ class Scheduler:
             if uid in rows.uids:
                 i = rows.uids.index(uid)
                 rows.filter([j for j in range(len(rows)) if j != i])
-        self._generations = [rows for rows in self._generations if len(rows)]
+        self._drop_emptied()
         return kept
