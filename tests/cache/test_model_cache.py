@@ -111,8 +111,9 @@ def test_restart_restores_from_the_ssd(rigs, tmp_path):
 
 def restarted_on_a_slow_disk(rigs, root: Path, monkeypatch) -> tuple[Rig, tuple[int, ...], dict, list, list]:
     """Returns a rig restarted on `root` after it answered a prompt, whose SSD reads take
-    0.2 s more each; the prompt, its cold answer, when each read ended and when each
-    restore began."""
+    0.5 s more each (room for the engine to start a restore meanwhile, even on a slow
+    machine); the prompt, its cold answer, when each read ended and when each restore
+    began."""
     first = rigs(root)
     prompt = first.prompt("List the classes defined here.")
     (cold,) = first.run(prompt)
@@ -121,7 +122,7 @@ def restarted_on_a_slow_disk(rigs, root: Path, monkeypatch) -> tuple[Rig, tuple[
     read, done_at = second.store.ssd.get, []
 
     def slow_get(key, **kwargs):
-        time.sleep(0.2)
+        time.sleep(0.5)
         block = read(key, **kwargs)
         done_at.append(time.perf_counter())
         return block

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, Server, free_port, served, start_server, write_config
+from tests.conftest import MODEL_NAME, Server, free_port, served, start_server, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,15 @@ def wait_idle(server: Server, timeout_s: float = 20) -> None:
     while live_requests(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_requests(server) == 0
+
+
+def refuses(port: int) -> bool:
+    """True once nothing listens on `port` any more."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return True
+    return False
 
 
 def test_concurrent_clients_get_the_same_tokens_as_alone(server: Server):
@@ -110,7 +120,10 @@ def test_queue_time_and_figures_are_recorded(small_server: Server):
 
 def test_shutdown_drains_running_requests_and_refuses_new_ones(tmp_path):
     port = free_port()
-    server = start_server(write_config(tmp_path / "omlx.toml", port=port), port, tmp_path / "server.log")
+    config = write_config(tmp_path / "omlx.toml", port=port)
+    # Room for the 30-token answer to finish on a slow machine before the drain cuts it.
+    config.write_text(config.read_text().replace("drain_timeout_s = 5", "drain_timeout_s = 30"))
+    server = start_server(config, port, tmp_path / "server.log")
     url = f"{server.url}/v1/chat/completions"
     try:
         with httpx.Client(timeout=60) as c:
@@ -118,7 +131,7 @@ def test_shutdown_drains_running_requests_and_refuses_new_ones(tmp_path):
                 lines = r.iter_lines()
                 next(lines)
                 server.process.send_signal(signal.SIGTERM)
-                time.sleep(0.5)
+                wait_for(lambda: refuses(port), timeout_s=10, interval_s=0.02)
                 with pytest.raises(httpx.ConnectError):
                     httpx.post(url, json={**LONG, "stream": False}, timeout=5)
                 rest = list(lines)

@@ -185,7 +185,7 @@ def test_a_key_gets_one_running_one_queued_and_429_beyond(guarded: Server):
     assert first_chunk.wait(120)
     queued = threading.Thread(target=stream, args=(False,))
     queued.start()
-    time.sleep(1.0)  # let it reach the queue (nothing is asserted about time)
+    time.sleep(3.0)  # let it reach the queue; the running stream (200 tokens, no EOS) lasts ~11 s on 2 cores
     r = httpx.post(f"{guarded.url}/v1/chat/completions", json={**body, "stream": False}, headers=headers)
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert "max_concurrent_per_key 1" in r.json()["error"]["message"]
