@@ -1,13 +1,15 @@
 """Plots for BENCHMARKS.md from benchmark results (JSON), as PNG files.
 
     .venv/bin/pip install -e '.[bench]'   # once: matplotlib, which omlx itself does not need
-    .venv/bin/python bench/plot.py [RESULTS_DIR] [--out DIR]
+    .venv/bin/python bench/plot.py [RESULTS_DIR] [--out DIR] [--use NAME=FILE ...]
 
 RESULTS_DIR (default bench/results/h200) holds what the GPU runs wrote:
 restore-8b.json and restore-70b-4bit.json (bench/restore.py --host), host_path.json
 (bench/host_path.py), throughput.json (bench/throughput.py --mlx-lm-batch),
 quant-8b-BITS.json and quant-70b-BITS.json (bench/restore.py --host --tiers-only). Each plot is
-made from the files present; the PNGs go to docs/bench/ (--out).
+made from the files present; the PNGs go to docs/bench/ (--out). `--use NAME=FILE` reads
+FILE (in RESULTS_DIR) where NAME is expected, e.g. a later run's
+`--use throughput.json=throughput-0412.json`.
 """
 
 from __future__ import annotations
@@ -144,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="?", default=REPO / "bench" / "results" / "h200")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--use", action="append", default=[], metavar="NAME=FILE",
+                        help="read FILE where the file NAME is expected")
     args = parser.parse_args(argv)
+    used = dict(u.split("=", 1) for u in args.use)
+
+    def result(name: str) -> dict | None:
+        return load(args.results / used.get(name, name))
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,15 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     made = []
     tiers = {title: r for title, name in (("8B bf16, 25K-token prompt", "restore-8b.json"),
                                           ("70B 4-bit, 32K-token prompt", "restore-70b-4bit.json"))
-             if (r := load(args.results / name)) is not None}
+             if (r := result(name)) is not None}
     if tiers:
         made.append(plot_tiers(tiers, args.out, plt))
-    if (host := load(args.results / "host_path.json")) is not None:
+    if (host := result("host_path.json")) is not None:
         made.append(plot_host_path(host, args.out, plt))
-    if (throughput := load(args.results / "throughput.json")) is not None:
+    if (throughput := result("throughput.json")) is not None:
         made.append(plot_throughput(throughput, args.out, plt))
     quant = {(model, bits): r for model, name in (("8B", "quant-8b"), ("70B", "quant-70b")) for bits in (16, 8, 4)
-             if (r := load(args.results / f"{name}-{bits}.json")) is not None}
+             if (r := result(f"{name}-{bits}.json")) is not None}
     if quant:
         made.append(plot_quant(quant, args.out, plt))
     for path in made:

@@ -94,10 +94,10 @@ class BatchCache(BatchKVCache):
     """mlx-lm's BatchKVCache, with string masks while no row is padded.
 
     mlx-lm's BatchKVCache always builds an array mask (it allows for left padding). MLX
-    CUDA's fused attention takes only the "causal" mask (and no mask for one query); with
-    an array it materializes the scores. Measured on an H200 at a 25K-token context, one
-    layer: 2048 queries 10.5 ms and 6.7 GB of scores with the array, 1.6 ms and 17 MB with
-    "causal" (BENCHMARKS.md, "GPU"). A lone request, the common case, has no padding, so
+    CUDA's attention with an array mask first builds a full additive mask and the scores
+    beside it; with "causal" (or no mask for one query) it needs neither. Measured on an
+    H200 at a 25K-token context, one layer: 2048 queries 10.8 ms and 6.68 GB extra with the
+    array, 1.65 ms and 34 MB with "causal" (BENCHMARKS.md, "GPU"). A lone request, the common case, has no padding, so
     this cache tracks, on the host, whether any row may be padded, and hands out the
     masks a plain KVCache would while none is.
     """
