@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 
 log = logging.getLogger("omlx.platform")
 
@@ -186,6 +187,28 @@ def device_memory_bytes() -> int | None:
     except Exception:
         return None
     return int(info.get("memory_size") or info.get("total_memory") or 0) or None
+
+
+KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"  # where MLX CUDA keeps the kernels it compiled
+
+
+def keep_compiled_kernels(cache_dir: Path) -> Path | None:
+    """Points MLX CUDA's cache of the kernels it compiles at `cache_dir`/kernels/mlx-VERSION,
+    unless the environment names one; returns that directory (None: named already).
+
+    MLX's own default is under /tmp, which a reboot empties where it is a tmpfs: the next
+    start then compiles every kernel again (~20 s on an H200 with NVRTC, more than an 8B
+    model takes to load). MLX reads the variable at its first compile, so this must run
+    before any model loads. The version is in the path as in MLX's default: another MLX
+    must not read kernels compiled for this one.
+    """
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return None
+    import mlx.core as mx
+
+    path = cache_dir / "kernels" / f"mlx-{mx.__version__}"
+    os.environ[KERNEL_CACHE_ENV] = str(path)
+    return path
 
 
 DEFAULT_MEMORY_FRACTION = 0.85  # of the device, when the spec sets no limit

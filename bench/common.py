@@ -8,6 +8,7 @@ server harness: the tests' `start_server` (tests/conftest.py) starts theirs with
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import math
 import os
 import platform
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -24,7 +26,7 @@ import httpx
 import orjson
 
 from appliance.engine.step_trace import ENV as STEP_TRACE_ENV
-from appliance.platform import openblas_env, openblas_path
+from appliance.platform import KERNEL_CACHE_ENV, openblas_env, openblas_path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "bench" / "out"
@@ -43,10 +45,20 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides
-    (the step trace's path passes: appliance/engine/step_trace.py)."""
+    (the step trace's path passes: appliance/engine/step_trace.py), and MLX's compiled
+    kernels where this machine's other MLX processes keep them (`mlx_kernel_dir`)."""
     env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_") or k == STEP_TRACE_ENV})
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault(KERNEL_CACHE_ENV, str(mlx_kernel_dir()))
     return env
+
+
+def mlx_kernel_dir() -> Path:
+    """Returns MLX's own default cache of compiled kernels (/tmp/mlx/VERSION/ptx). A server
+    keeps them in its cache dir otherwise (appliance.platform.keep_compiled_kernels), a
+    fresh one for each benchmark: each would compile them again, where a user's later start
+    finds them; the benchmarks' servers and in-process paths share one cache as before."""
+    return Path(tempfile.gettempdir()) / "mlx" / importlib.metadata.version("mlx") / "ptx"
 
 
 @dataclass

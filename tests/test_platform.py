@@ -115,3 +115,15 @@ def test_the_mlx_memory_limit_leaves_headroom_by_default_and_caps_the_spec():
 def test_no_memory_limit_is_set_on_a_cpu():
     if platform.device_kind() == "cpu":
         assert platform.limit_device_memory(10) is None
+
+
+def test_compiled_kernels_are_kept_in_the_cache_dir_unless_the_environment_says(tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    monkeypatch.delenv(platform.KERNEL_CACHE_ENV, raising=False)
+    kept = platform.keep_compiled_kernels(tmp_path)
+    assert kept == tmp_path / "kernels" / f"mlx-{mx.__version__}"
+    assert os.environ[platform.KERNEL_CACHE_ENV] == str(kept)
+    monkeypatch.setenv(platform.KERNEL_CACHE_ENV, "/elsewhere")
+    assert platform.keep_compiled_kernels(tmp_path) is None
+    assert os.environ[platform.KERNEL_CACHE_ENV] == "/elsewhere"

@@ -72,6 +72,9 @@ def serve(config: LoadedConfig) -> int:
     os.umask(0o077)
     warn_if_open(config.spec.server)
     spec = config.spec
+    kernels = platform.keep_compiled_kernels(spec.cache.path(config.base_dir))
+    if kernels is not None and platform.device_kind() == "gpu":
+        log.info("compiled kernels are kept in %s", kernels)
     platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
     appliance = Appliance(config)
     server = Server(uvicorn.Config(
