@@ -6,7 +6,7 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,composed,agents,70b,quant70b
+#                                  # restore8,quant,throughput,composed,agents,70b,quant70b,kept
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -80,6 +80,14 @@ case ",$STEPS," in *,ready,*)
     --fresh-kernel-caches --out "$OUT/ready.json" 2>&1 | tail -25
   step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
     --import-profile --out "$OUT/ready-later.json" 2>&1 | tail -60 ;; esac
+case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive what a reboot does to /tmp
+  model 8b
+  rm -rf /tmp/omlx-kept
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+    --work /tmp/omlx-kept --kernels-in-cache-dir --out "$OUT/ready-kept-first.json" 2>&1 | tail -25
+  rm -rf "/tmp/mlx"  # MLX's default kernel cache, as a reboot empties a tmpfs /tmp
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+    --work /tmp/omlx-kept --kernels-in-cache-dir --out "$OUT/ready-kept-later.json" 2>&1 | tail -25 ;; esac
 case ",$STEPS," in *,restore,*)
   model 8b
   step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" --host \

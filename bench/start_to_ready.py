@@ -11,6 +11,13 @@ imports.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
 
+Kernel caches: by default the server shares MLX's (/tmp/mlx) with the machine's other
+MLX processes (bench/common.server_env); `--fresh-kernel-caches` gives it empty ones (a
+machine's first start); `--kernels-in-cache-dir` leaves them where `omlx serve` keeps
+them itself, in its cache dir (the CUDA driver's beside them), so that two starts on one
+`--work` dir are a first start and a later one, whatever /tmp holds (the later one finds
+the first one's chats in its SSD tier too: its "cold" requests are not).
+
 MODEL_DIR holds config.json, safetensors and tokenizer.json (bench/gpu_model.py writes one).
 """
 
@@ -103,8 +110,13 @@ def main() -> int:
                         help="[batching] warm_up_beside_load for this start (default: the config's)")
     parser.add_argument("--fresh-kernel-caches", action="store_true",
                         help="empty JIT caches (MLX's PTX, the CUDA driver's): a machine's first start")
+    parser.add_argument("--kernels-in-cache-dir", action="store_true",
+                        help="JIT caches where omlx serve keeps them: in its cache dir (under --work)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the dir for the config and the cache (default: a fresh one); reused, a later start")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="omlx-ready-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="omlx-ready-"))
+    work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     profile = f'profile = "{args.profile}"\n' if args.profile else ""
     config = work / "omlx.toml"
@@ -131,9 +143,13 @@ dir = "{work / 'cache'}"
         server.env = {**server.env, "OMLX_BATCHING__WARM_UP_BESIDE_LOAD": args.stand_in}
     if args.fresh_kernel_caches:
         server.env = {**server.env, "MLX_PTX_CACHE_DIR": str(work / "ptx"), "CUDA_CACHE_PATH": str(work / "nv")}
+    elif args.kernels_in_cache_dir:
+        server.env = {k: v for k, v in server.env.items() if k != "MLX_PTX_CACHE_DIR"}
+        server.env["CUDA_CACHE_PATH"] = str(work / "cache" / "nv")
     started, spawned_at = time.perf_counter(), time.time()
     results: dict = {"tokens": args.tokens, "profile": args.profile, "stand_in": args.stand_in or "config",
-                     "fresh_kernel_caches": args.fresh_kernel_caches}
+                     "fresh_kernel_caches": args.fresh_kernel_caches,
+                     "kernels_in_cache_dir": args.kernels_in_cache_dir}
     with server.start(ready_timeout_s=600):
         results["start_to_ready_s"] = round(time.perf_counter() - started, 2)
         text = log_path.read_text(errors="replace")
