@@ -96,10 +96,10 @@ class BatchCache(BatchKVCache):
     mlx-lm's BatchKVCache always builds an array mask (it allows for left padding). MLX
     CUDA's attention with an array mask first builds a full additive mask and the scores
     beside it; with "causal" (or no mask for one query) it needs neither. Measured on an
-    H200 at a 25K-token context, one layer: 2048 queries 10.8 ms and 6.68 GB extra with the
-    array, 1.65 ms and 34 MB with "causal" (BENCHMARKS.md, "GPU"). A lone request, the common case, has no padding, so
-    this cache tracks, on the host, whether any row may be padded, and hands out the
-    masks a plain KVCache would while none is.
+    H200 at a 25K-token context, one layer: 2048 queries 10.8 ms and 6.68 GB extra with
+    the array, 1.65 ms and 34 MB with "causal" (BENCHMARKS.md, "GPU"). A lone request, the
+    common case, has no padding, so this cache tracks, on the host, whether any row may
+    be padded, and hands out the masks a plain KVCache would while none is.
     """
 
     def __init__(self, left_padding: list[int]):
