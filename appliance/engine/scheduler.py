@@ -202,6 +202,10 @@ class Scheduler:
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
+        # The last step's prefill calls (starts and advance): their prompt tokens, padding not
+        # counted, and seconds; the model's prefill speed, however many rows shared a call.
+        self.last_prefill_tokens = 0
+        self.last_prefill_s = 0.0
         self._first_tokens_due = False  # pipelined: the last step started rows whose first token is next
         self._held_back = False  # the last advance() gave way to such rows
 
@@ -266,6 +270,7 @@ class Scheduler:
     def step(self) -> tuple[list[int], list[Generated]]:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
+        self.last_prefill_tokens, self.last_prefill_s = 0, 0.0
         with mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
@@ -316,10 +321,9 @@ class Scheduler:
                 padded = len(group) * length
                 self._budget_left -= padded
                 if padded:
-                    started = time.perf_counter()
-                    self._prompt(part, todo, length=length)
+                    seconds = self._timed_prompt(part, todo, length=length)
                     self.last_prefill_calls += 1
-                    self._start_s_per_token = self._measured(started, padded, self._start_s_per_token)
+                    self._start_s_per_token = self._measured(seconds, padded, self._start_s_per_token)
                     if self._start_s_per_token is not None:
                         self._fastest_start_s_per_token = min(self._start_s_per_token,
                                                               self._fastest_start_s_per_token or float("inf"))
@@ -390,9 +394,8 @@ class Scheduler:
             n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
         with mx.stream(generation_stream), attention.composing(self.composing):
-            started = time.perf_counter()
-            self._prompt(p.batch, [p.remaining[:n]])
-        p.s_per_token = self._measured(started, n, p.s_per_token)
+            seconds = self._timed_prompt(p.batch, [p.remaining[:n]])
+        p.s_per_token = self._measured(seconds, n, p.s_per_token)
         p.remaining = p.remaining[n:]
         self.last_advanced_tokens = n
 
@@ -404,6 +407,16 @@ class Scheduler:
         twice running, so arrivals at every step cannot starve a long prompt."""
         self._held_back = self._first_tokens_due and not self._held_back
         return self._held_back
+
+    def _timed_prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> float:
+        """Runs `_prompt` and returns its seconds, counted with its tokens in the step's
+        `last_prefill_s` and `last_prefill_tokens`."""
+        started = time.perf_counter()
+        self._prompt(batch, todo, length=length)
+        seconds = time.perf_counter() - started
+        self.last_prefill_tokens += sum(map(len, todo))
+        self.last_prefill_s += seconds
+        return seconds
 
     def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> None:
         """Prefills `todo` (one token list per row of `batch`) into its cache: a lone
@@ -426,11 +439,11 @@ class Scheduler:
                 batch.prompt(todo)
 
     @staticmethod
-    def _measured(started: float, num_tokens: int, previous: float | None) -> float | None:
-        """Returns the seconds per token of a prefill call that began at `started`."""
+    def _measured(seconds: float, num_tokens: int, previous: float | None) -> float | None:
+        """Returns the seconds per token of a prefill call of `num_tokens` that took `seconds`."""
         if num_tokens < MIN_CHUNK_TOKENS:
             return previous  # too few tokens to time
-        return (time.perf_counter() - started) / num_tokens
+        return seconds / num_tokens
 
     def _timed_chunk(self, p: _Prefill, *, most: int | None = None) -> int:
         """Returns how many of `p`'s tokens take about `step_s` (`ALONE_STEPS` times that

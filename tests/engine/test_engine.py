@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from appliance.engine import scheduler
 from appliance.engine.engine import Engine, EngineClosed, QueueFull
 from appliance.engine.request import Delta, GenerationRequest, SamplingParams
 from appliance.spec import BatchingSpec
@@ -119,6 +120,37 @@ def test_a_seeded_request_repeats_its_tokens_when_its_work_is_the_same(engine, l
     assert same[0] == same[1] == same[2]
     assert len(same[0]) == 24 and other_seed != same[0]
 
+
+class OneSecondCalls:
+    """The scheduler's clock: it moves a second a reading, so every prefill call takes one."""
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        cls.now += 1.0
+        return cls.now
+
+
+def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_one(loaded_model, monkeypatch):
+    """Four prompts started in one call count their four prompts' tokens over that call's
+    second: the speed that prices a recompute. Each request's own wait for its first token
+    would count a quarter of that, and make restores look worth more than they are."""
+    monkeypatch.setattr(scheduler, "time", OneSecondCalls)
+    engine = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=512)).start()
+    req = request(loaded_model, QUESTIONS[2], max_tokens=2)
+
+    async def main():
+        with engine._cond:  # all four arrive in one step: one call starts them
+            handles = [engine.submit(req) for _ in range(4)]
+        for handle in handles:
+            async for _ in handle:
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop(drain_s=0)
+    assert engine.prefill_tok_s == 4 * (len(req.prompt_tokens) - 1)  # the last token is decoded
 
 def test_stopped_engine_refuses_new_requests(loaded_model):
     engine = Engine(loaded_model, BatchingSpec()).start()
