@@ -40,7 +40,7 @@ RECENT_REQUESTS = 256
 PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
 RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
-RATE_TOKENS = 64  # prefill speed is sampled over at least this many prompt tokens
+RATE_TOKENS = 64  # a request's prefill speed counts when it computed this many prompt tokens
 # CUDA errors that leave the process's context unusable: every later call fails too, so
 # the process must restart (the others, out-of-memory included, fail one batch only).
 DEVICE_LOST_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
@@ -125,7 +125,6 @@ class Engine:
         self._prefetcher = prefetcher
         # Measured, for restore-or-recompute; kept in the store, which keeps it across restarts.
         self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
-        self._unsampled = (0, 0.0)  # prefill tokens and seconds not yet in prefill_tok_s
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         # Where the engine thread's time goes, in seconds per phase of a step (PHASES), with
         # the steps and batched-start prefill calls counted: read by /metrics.
@@ -399,7 +398,6 @@ class Engine:
         except Exception as e:
             return self._failed(e)
         t2 = time.perf_counter()
-        self._sample_prefill()
         self._save_computed()
         phases = {"start": scheduler.last_start_s, "decode": scheduler.last_decode_s,
                   "deliver": t1 - t0, "advance": t2 - t1, "save": time.perf_counter() - t2}
@@ -479,21 +477,19 @@ class Engine:
         for slot, reason, events in ended:
             events.append(self._finished(slot, reason))
         _push_all(deliveries)
+        for slot in started:
+            self._prefilled(slot)
 
-    def _sample_prefill(self) -> None:
-        """Moves `prefill_tok_s` toward the speed of the prefill calls since the last sample,
-        once they add up to RATE_TOKENS: prompt tokens over the seconds of the calls that
-        computed them. A request's own wait for its first token would not do: rows sharing a
-        call divide it, and restores then look worth more than they are (on an H200, 8
-        prompts of ~130 tokens started together in 0.37 s: ~350 tok/s each, against 27K
-        tok/s for a lone 25K-token prefill)."""
-        scheduler = self._scheduler
-        tokens, seconds = self._unsampled
-        tokens, seconds = tokens + scheduler.last_prefill_tokens, seconds + scheduler.last_prefill_s
+    def _prefilled(self, slot: Slot) -> None:
+        """Moves `prefill_tok_s` toward the speed `slot`'s prompt was prefilled at: its
+        tokens over its share of the seconds of the calls that computed them
+        (Scheduler.last_prefilled). Not its wait for its first token: rows sharing a call
+        divide that, and restores then look worth more than they are (on an H200, 8 prompts
+        of ~130 tokens started together in 0.37 s: ~350 tok/s each, against 27K tok/s for a
+        lone 25K-token prefill)."""
+        tokens, seconds = self._scheduler.last_prefilled.get(slot.uid, (0, 0.0))
         if tokens < RATE_TOKENS or seconds <= 0:
-            self._unsampled = (tokens, seconds)
             return
-        self._unsampled = (0, 0.0)
         self.prefill_tok_s = moving_average(self.prefill_tok_s, tokens / seconds)
         if self.cache is not None:
             self.cache.store.prefill_tok_s[self.cache.dir] = self.prefill_tok_s

@@ -78,6 +78,10 @@ class _Prefill:
     batch: PromptProcessingBatch
     remaining: list[int]  # prompt tokens not yet in the cache, the last one included
     s_per_token: float | None = None  # measured on its last chunk (grows with the context)
+    # The prompt tokens its prefill calls computed, and its share of their seconds (a call
+    # shared by several prompts split by their tokens): its prefill speed, waits not counted.
+    computed: int = 0
+    seconds: float = 0.0
 
     @property
     def todo(self) -> int:
@@ -202,10 +206,8 @@ class Scheduler:
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
-        # The last step's prefill calls (starts and advance): their prompt tokens, padding not
-        # counted, and seconds; the model's prefill speed, however many rows shared a call.
-        self.last_prefill_tokens = 0
-        self.last_prefill_s = 0.0
+        # The prompts the last step started: uid -> (prompt tokens computed, seconds), as _Prefill.
+        self.last_prefilled: dict[int, tuple[int, float]] = {}
         self._first_tokens_due = False  # pipelined: the last step started rows whose first token is next
         self._held_back = False  # the last advance() gave way to such rows
 
@@ -270,7 +272,7 @@ class Scheduler:
     def step(self) -> tuple[list[int], list[Generated]]:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
-        self.last_prefill_tokens, self.last_prefill_s = 0, 0.0
+        self.last_prefilled = {}
         with mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
@@ -321,7 +323,7 @@ class Scheduler:
                 padded = len(group) * length
                 self._budget_left -= padded
                 if padded:
-                    seconds = self._timed_prompt(part, todo, length=length)
+                    seconds = self._timed_prompt(group, part, todo, length=length)
                     self.last_prefill_calls += 1
                     self._start_s_per_token = self._measured(seconds, padded, self._start_s_per_token)
                     if self._start_s_per_token is not None:
@@ -329,6 +331,7 @@ class Scheduler:
                                                               self._fastest_start_s_per_token or float("inf"))
                 parts.append(part)
         last = {p.uid: p.remaining[-1] for p in starting}  # each row's first decode input
+        self.last_prefilled = {p.uid: (p.computed, p.seconds) for p in starting}
         for joining, part_group in self._by_generation(parts):
             batch = extend_first(part_group)
             started_rows = self._generation_class(
@@ -394,7 +397,7 @@ class Scheduler:
             n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
         with mx.stream(generation_stream), attention.composing(self.composing):
-            seconds = self._timed_prompt(p.batch, [p.remaining[:n]])
+            seconds = self._timed_prompt([p], p.batch, [p.remaining[:n]])
         p.s_per_token = self._measured(seconds, n, p.s_per_token)
         p.remaining = p.remaining[n:]
         self.last_advanced_tokens = n
@@ -408,14 +411,17 @@ class Scheduler:
         self._held_back = self._first_tokens_due and not self._held_back
         return self._held_back
 
-    def _timed_prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> float:
-        """Runs `_prompt` and returns its seconds, counted with its tokens in the step's
-        `last_prefill_s` and `last_prefill_tokens`."""
+    def _timed_prompt(self, prompts: list[_Prefill], batch: PromptProcessingBatch, todo: list[list[int]], *,
+                      length: int = 0) -> float:
+        """Runs `_prompt` for `prompts` and returns its seconds, shared among them by their
+        tokens in `todo` (_Prefill.computed, .seconds)."""
         started = time.perf_counter()
         self._prompt(batch, todo, length=length)
         seconds = time.perf_counter() - started
-        self.last_prefill_tokens += sum(map(len, todo))
-        self.last_prefill_s += seconds
+        total = sum(map(len, todo))
+        for p, tokens in zip(prompts, todo):
+            p.computed += len(tokens)
+            p.seconds += seconds * len(tokens) / total if total else 0.0
         return seconds
 
     def _prompt(self, batch: PromptProcessingBatch, todo: list[list[int]], *, length: int = 0) -> None:

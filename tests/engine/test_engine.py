@@ -136,8 +136,10 @@ def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_on
     second: the speed that prices a recompute. Each request's own wait for its first token
     would count a quarter of that, and make restores look worth more than they are."""
     monkeypatch.setattr(scheduler, "time", OneSecondCalls)
-    engine = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=512)).start()
-    req = request(loaded_model, QUESTIONS[2], max_tokens=2)
+    # Chunks sized by tokens only: timed, a call of a second would cut every prompt small.
+    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=512, prefill_step_ms=0)
+    engine = Engine(loaded_model, limits).start()
+    req = request(loaded_model, "Name a color. " * 20, max_tokens=2)  # over RATE_TOKENS
 
     async def main():
         with engine._cond:  # all four arrive in one step: one call starts them
@@ -151,6 +153,7 @@ def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_on
     finally:
         engine.stop(drain_s=0)
     assert engine.prefill_tok_s == 4 * (len(req.prompt_tokens) - 1)  # the last token is decoded
+
 
 def test_stopped_engine_refuses_new_requests(loaded_model):
     engine = Engine(loaded_model, BatchingSpec()).start()

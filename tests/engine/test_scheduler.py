@@ -46,17 +46,22 @@ def test_short_prompts_start_together_and_give_a_token_in_the_same_step(loaded_m
     assert sorted(g.uid for g in generated) == uids  # the first tokens, not one step later
 
 
-def test_a_step_counts_the_prompt_tokens_and_seconds_of_its_prefill_calls(loaded_model):
+def test_a_started_prompt_reports_its_tokens_and_its_share_of_its_calls_seconds(loaded_model):
     s = Scheduler(loaded_model.model, chunk_tokens=128, step_s=None)
-    insert(s, tokens(1000))  # chunked: its chunks come from advance()
-    for seed in range(1, 4):
-        insert(s, tokens(40, seed))
-    s.step()  # starts the three short ones together: their tokens but the last (a decode input)
-    assert s.last_prefill_tokens == 3 * 39 and s.last_prefill_s > 0
-    s.advance()  # and a chunk of the long one, in the same step
-    assert s.last_advanced_tokens > 0 and s.last_prefill_tokens == 3 * 39 + s.last_advanced_tokens
-    s.step()  # a step that starts nothing counts from zero
-    assert s.last_prefill_tokens == 0 and s.last_prefill_s == 0
+    long = insert(s, tokens(1000))  # chunked: its chunks come from advance()
+    short = [insert(s, tokens(40, seed)) for seed in range(1, 4)]
+    s.step()  # starts the three short ones in one call: their tokens but the last (a decode input)
+    assert sorted(s.last_prefilled) == short
+    assert {n for n, _ in s.last_prefilled.values()} == {39}
+    assert len({seconds for _, seconds in s.last_prefilled.values()}) == 1  # equal shares of one call
+    while long not in s.last_prefilled:
+        s.advance()
+        s.step()
+    computed, seconds = s.last_prefilled[long]
+    assert computed == 999 and seconds > 0  # its chunks and the call that started it
+    s.step()  # a step that starts nothing reports nothing
+    assert s.last_prefilled == {}
+
 
 def decode(s: Scheduler, samplers: list, lengths: tuple[int, ...] = (30, 55, 80)) -> dict[int, list]:
     """Runs prompts to 5 tokens each; returns every request's (token, logprobs) in order."""
