@@ -6,7 +6,7 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,composed,switch,agents,70b,quant70b,kept
+#                                  # restore8,quant,throughput,composed,switch,speed,agents,70b,quant70b,kept
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -121,6 +121,10 @@ case ",$STEPS," in *,switch,*)  # item 5's A/B: the server's thread switch inter
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-switch.jsonl OMLX_SWITCH_INTERVAL_MS=${SWITCH_MS:-1} \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
     --out "$OUT/throughput-switch.json" 2>&1 | tail -14 ;; esac
+case ",$STEPS," in *,speed,*)  # item 3: the prefill speed a restore decision reads, after a lone prompt and a burst
+  model 8b
+  step python3 bench/prefill_speed.py --model /tmp/llama-8b --profile nvidia-h200 --burst 32 \
+    --out "$OUT/prefill_speed.json" 2>&1 | tail -6 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
   model 8b
   step python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \
