@@ -14,8 +14,9 @@ Both servers serve the same model (by default the converted float32 test model; 
 --model a model directory such as bench/gpu_model.py makes, which omlx loads in its own
 dtype) and run at the same time; one idles while the other is measured, and they take
 turns going first, so slow drift in the machine's load hits both. Every prompt is
-unique, so no prompt cache (omlx's tiers, mlx_lm's LRU) can serve one; both get the
-same prompts. The servers get OpenBLAS preloaded where it is installed (for MLX on CPU).
+unique past its first ~31 tokens (the chat template's system prompt and `[label #`), so no
+prompt cache (omlx's tiers, mlx_lm's LRU) can serve more than that; both get the same
+prompts. The servers get OpenBLAS preloaded where it is installed (for MLX on CPU).
 
     # CPU, the converted test model (OpenBLAS preloaded for --mlx-lm-batch, which runs in-process):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 .venv/bin/python bench/throughput.py [--quick]
