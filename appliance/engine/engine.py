@@ -484,8 +484,8 @@ class Engine:
         """Moves `prefill_tok_s` toward the speed `slot`'s prompt was prefilled at: its
         tokens over its share of the seconds of the calls that computed them
         (Scheduler.last_prefilled). Not its wait for its first token: rows sharing a call
-        divide that, and restores then look worth more than they are (on an H200, 8 prompts
-        of ~130 tokens started together in 0.37 s: ~350 tok/s each, against 27K tok/s for a
+        divide that, and restores then look worth more than they are (on an H200, 7 prompts
+        of ~125 tokens started together in 0.37 s: ~340 tok/s each, against 27K tok/s for a
         lone 25K-token prefill)."""
         tokens, seconds = self._scheduler.last_prefilled.get(slot.uid, (0, 0.0))
         if tokens < RATE_TOKENS or seconds <= 0:
