@@ -66,11 +66,10 @@ def commit(code: Path) -> str:
 
 async def measure(code: Path, burst: int, *, model_dir: Path | None, profile: str | None) -> dict:
     """Returns the prefill speed `code`'s server reads after a lone prompt and after a burst."""
-    work = Path(tempfile.mkdtemp(prefix="omlx-prefill-speed-"))
-    server = omlx_server(model_dir or converted_model_dir(), work_dir=work, max_running=max(16, burst),
-                         max_queued=4 * burst, code=code, log_name="prefill_speed", profile=profile,
-                         dtype="auto" if model_dir else "float32")
-    with server:
+    with tempfile.TemporaryDirectory(prefix="omlx-prefill-speed-") as work, \
+            omlx_server(model_dir or converted_model_dir(), work_dir=Path(work), max_running=max(16, burst),
+                        max_queued=4 * burst, code=code, log_name="prefill_speed", profile=profile,
+                        dtype="auto" if model_dir else "float32") as server:
         server.start()
         async with client() as http:
             async def probe(label: str) -> dict:
