@@ -211,33 +211,6 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
     return path
 
 
-SWITCH_INTERVAL_ENV = "OMLX_SWITCH_INTERVAL_MS"  # an experiment's knob (bench/gpu_run.sh switch)
-
-
-def set_switch_interval() -> float | None:
-    """Sets Python's thread switch interval to `OMLX_SWITCH_INTERVAL_MS` when set; returns
-    it in ms (None: unset or not a positive number, Python's 5 ms stays).
-
-    The engine thread lets go of the GIL inside every MLX eval and then waits for it while
-    the event loop serves requests, up to one interval each time: over HTTP on an H200 a
-    wave's admission took 10-16 ms a request against ~1 ms in process. This knob measures
-    whether a shorter interval wins that back.
-    """
-    raw = os.environ.get(SWITCH_INTERVAL_ENV)
-    if not raw:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = 0.0
-    if not ms > 0:
-        log.warning("%s=%r is not a positive number of ms; keeping Python's switch interval",
-                    SWITCH_INTERVAL_ENV, raw)
-        return None
-    sys.setswitchinterval(ms / 1000)
-    return ms
-
-
 DEFAULT_MEMORY_FRACTION = 0.85  # of the device, when the spec sets no limit
 MAX_MEMORY_FRACTION = 0.95  # a larger limit from the spec is cut to this
 

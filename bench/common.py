@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from appliance.engine.step_trace import ENV as STEP_TRACE_ENV
-from appliance.platform import KERNEL_CACHE_ENV, SWITCH_INTERVAL_ENV, openblas_env, openblas_path
+from appliance.platform import KERNEL_CACHE_ENV, openblas_env, openblas_path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "bench" / "out"
@@ -45,11 +45,9 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides
-    (the step trace's path and the switch interval pass: appliance/engine/step_trace.py,
-    appliance.platform.set_switch_interval), and MLX's compiled kernels where this
-    machine's other MLX processes keep them (`mlx_kernel_dir`)."""
-    passed = (STEP_TRACE_ENV, SWITCH_INTERVAL_ENV)
-    env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_") or k in passed})
+    (the step trace's path passes: appliance/engine/step_trace.py), and MLX's compiled
+    kernels where this machine's other MLX processes keep them (`mlx_kernel_dir`)."""
+    env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_") or k == STEP_TRACE_ENV})
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault(KERNEL_CACHE_ENV, str(mlx_kernel_dir()))
     return env

@@ -127,20 +127,3 @@ def test_compiled_kernels_are_kept_in_the_cache_dir_unless_the_environment_says(
     monkeypatch.setenv(platform.KERNEL_CACHE_ENV, "/elsewhere")
     assert platform.keep_compiled_kernels(tmp_path) is None
     assert os.environ[platform.KERNEL_CACHE_ENV] == "/elsewhere"
-
-
-def test_the_switch_interval_comes_from_the_environment_when_it_is_a_positive_number(monkeypatch):
-    before = sys.getswitchinterval()
-    try:
-        monkeypatch.delenv(platform.SWITCH_INTERVAL_ENV, raising=False)
-        assert platform.set_switch_interval() is None
-        assert sys.getswitchinterval() == before
-        for bad in ("0", "-1", "fast"):
-            monkeypatch.setenv(platform.SWITCH_INTERVAL_ENV, bad)
-            assert platform.set_switch_interval() is None
-            assert sys.getswitchinterval() == before
-        monkeypatch.setenv(platform.SWITCH_INTERVAL_ENV, "1.5")
-        assert platform.set_switch_interval() == 1.5
-        assert sys.getswitchinterval() == pytest.approx(0.0015)
-    finally:
-        sys.setswitchinterval(before)

@@ -75,8 +75,6 @@ def serve(config: LoadedConfig) -> int:
     kernels = platform.keep_compiled_kernels(spec.cache.path(config.base_dir))
     if kernels is not None and platform.device_kind() == "gpu":
         log.info("compiled kernels are kept in %s", kernels)
-    if (switch_ms := platform.set_switch_interval()) is not None:
-        log.info("thread switch interval: %g ms (%s)", switch_ms, platform.SWITCH_INTERVAL_ENV)
     platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
     appliance = Appliance(config)
     server = Server(uvicorn.Config(
