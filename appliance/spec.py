@@ -207,6 +207,10 @@ class BatchingSpec(Frozen):
     # of plain MLX ops instead of the fused kernel, which on CUDA builds a cuDNN graph per
     # shape (engine/attention.py). On an H200 that made starts faster and decode slower.
     short_attention: Literal["fused", "composed"] = "fused"
+    # An idle engine, woken by a request, waits until none has arrived for this long (at
+    # most GATHER_ROUNDS times as long) before it starts them: requests sent together
+    # (agents' parallel calls, a batch of clients) then start in one prefill call.
+    gather_ms: float = Field(0.0, ge=0, le=1000)
 
     @property
     def prefill_step_s(self) -> float | None:

@@ -6,7 +6,7 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,composed,switch,speed,agents,70b,quant70b,kept
+#                                  # restore8,quant,throughput,composed,gather,speed,agents,70b,quant70b,kept
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -115,12 +115,14 @@ case ",$STEPS," in *,composed,*)  # item 5's A/B: short calls' attention compose
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-composed.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
     --omlx-batching 'short_attention = "composed"' --out "$OUT/throughput-composed.json" 2>&1 | tail -14 ;; esac
-case ",$STEPS," in *,switch,*)  # item 5's A/B: the server's thread switch interval (SWITCH_MS, default 1 ms)
+case ",$STEPS," in *,gather,*)  # item 5's A/B: an idle engine gathers arrivals ([batching] gather_ms, GATHER_MS)
   model 8b
   mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-switch.jsonl OMLX_SWITCH_INTERVAL_MS=${SWITCH_MS:-1} \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
-    --out "$OUT/throughput-switch.json" 2>&1 | tail -14 ;; esac
+  for ms in ${GATHER_MS:-5}; do
+    OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-gather-$ms.jsonl \
+    step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
+      --omlx-batching "gather_ms = $ms" --out "$OUT/throughput-gather-$ms.json" 2>&1 | tail -14
+  done ;; esac
 case ",$STEPS," in *,speed,*)  # item 3: the prefill speed a restore decision reads, after a lone prompt and a burst
   model 8b
   step python3 bench/prefill_speed.py --model /tmp/llama-8b --profile nvidia-h200 --burst 32 \

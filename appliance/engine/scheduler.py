@@ -206,6 +206,10 @@ class Scheduler:
         self.last_start_s = self.last_decode_s = 0.0
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
+        # The last step's model calls, in order, for the step trace: a start call is
+        # ("start", rows, tokens each row is padded to, ms), a chunk ("advance", 1, tokens,
+        # ms), a decode pass ("pass", rows, tokens its KV buffers hold, ms).
+        self.last_calls: list[tuple[str, int, int, float]] = []
         # The prompts the last step started: uid -> (prompt tokens computed, seconds), as _Prefill.
         self.last_prefilled: dict[int, tuple[int, float]] = {}
         self._first_tokens_due = False  # pipelined: the last step started rows whose first token is next
@@ -273,6 +277,7 @@ class Scheduler:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
         self.last_prefilled = {}
+        self.last_calls = []
         with mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
@@ -418,6 +423,8 @@ class Scheduler:
         started = time.perf_counter()
         self._prompt(batch, todo, length=length)
         seconds = time.perf_counter() - started
+        self.last_calls.append(("start" if length else "advance", len(todo), length or max(map(len, todo)),
+                                round(1000 * seconds, 2)))
         total = sum(map(len, todo))
         for p, tokens in zip(prompts, todo):
             p.computed += len(tokens)
@@ -477,10 +484,12 @@ class Scheduler:
         """Runs one decode step of every generation batch (a pass each); drops the emptied."""
         generated = []
         for rows in self._generations:
+            shape = len(rows), generation_tokens(rows)
             started = time.perf_counter()
             responses = rows.next()
             elapsed = time.perf_counter() - started
             self._pass_s = min(self._pass_s or elapsed, elapsed)
+            self.last_calls.append(("pass", *shape, round(1000 * elapsed, 2)))
             generated += [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
                           for r in responses]
         self._drop_emptied()

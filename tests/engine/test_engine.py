@@ -155,6 +155,26 @@ def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_on
     assert engine.prefill_tok_s == 4 * (len(req.prompt_tokens) - 1)  # the last token is decoded
 
 
+def test_an_idle_engine_gathers_requests_sent_together_into_one_start(loaded_model):
+    """With `gather_ms`, a request that wakes an idle engine waits for the ones sent just
+    after it, and they start in one prefill call; without, the first starts alone."""
+    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=512, gather_ms=400)
+    engine = Engine(loaded_model, limits).start_warm()  # idle, not in its warm-up, when the first arrives
+    req = request(loaded_model, QUESTIONS[2], max_tokens=4)
+
+    async def main():
+        first = asyncio.ensure_future(run(engine, req))
+        await asyncio.sleep(0.1)  # well inside the quiet time the first one waits for
+        return await asyncio.gather(first, run(engine, req))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop(drain_s=0)
+    assert results[0] == results[1] and results[0][2] == "length"
+    assert engine.num_prefill_calls == 1
+
+
 def test_stopped_engine_refuses_new_requests(loaded_model):
     engine = Engine(loaded_model, BatchingSpec()).start()
     engine.stop(drain_s=0)

@@ -51,6 +51,9 @@ def test_a_started_prompt_reports_its_tokens_and_its_share_of_its_calls_seconds(
     long = insert(s, tokens(1000))  # chunked: its chunks come from advance()
     short = [insert(s, tokens(40, seed)) for seed in range(1, 4)]
     s.step()  # starts the three short ones in one call: their tokens but the last (a decode input)
+    assert [call[:3] for call in s.last_calls] == [("start", 3, 39), ("pass", 3, generation_tokens(s._generations[0]))]
+    s.advance()  # a chunk of the long one, in the same step's record
+    assert s.last_calls[-1][:3] == ("advance", 1, s.last_advanced_tokens)
     assert sorted(s.last_prefilled) == short
     assert {n for n, _ in s.last_prefilled.values()} == {39}
     assert len({seconds for _, seconds in s.last_prefilled.values()}) == 1  # equal shares of one call
