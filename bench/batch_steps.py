@@ -15,7 +15,8 @@ requests arrive); `engine_cache_nowrite` (that cache without the SSD write-throu
 device-to-host copies run beside the decode steps). Each engine wave also records the engine's own time by phase
 (`Engine.phase_s`). Over HTTP on an H200 a wave of 8 waited 0.38-0.63 s in the engine for
 its first tokens, against 0.09-0.27 s here without a cache: these paths split the
-difference.
+difference. `--busy-share` adds a Python thread holding the GIL part of the time, as the
+server's event loop does, to see what that costs the engine's host-bound calls.
 
     python bench/batch_steps.py --shape 8b --n 8,32 --out OUT.json        # on the GPU
     .venv/bin/python bench/batch_steps.py --shape tiny --n 4 --decode 8 --rounds 1   # CPU dry run
@@ -143,9 +144,14 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--paths", default="batch_generator,engine,engine_cache,engine_stagger")
     parser.add_argument("--stagger-ms", type=float, default=3.0, help="engine_stagger: between submissions")
+    parser.add_argument("--busy-share", type=float, default=0.0,
+                        help="a Python thread beside the engine holds the GIL this share of the time "
+                             "(in 2 ms slices), as an event loop serving HTTP streams would")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     paths = args.paths.split(",")
+    if args.busy_share > 0:
+        busy_beside(args.busy_share)
 
     from appliance.engine.engine import Engine
     from appliance.spec import BatchingSpec
@@ -202,6 +208,22 @@ def main() -> int:
     finally:
         stop_engines(engines.values(), tmp)
     return 0
+
+
+def busy_beside(share: float, *, slice_s: float = 0.002) -> None:
+    """Starts a daemon thread that runs Python (holding the GIL) `share` of the time, in
+    slices of `slice_s`, and sleeps the rest."""
+    import threading
+
+    def spin() -> None:
+        work = {"choices": [{"delta": {"content": "x" * 16}, "index": i} for i in range(8)]}
+        while True:
+            until = time.perf_counter() + slice_s * share
+            while time.perf_counter() < until:
+                json.loads(json.dumps(work))
+            time.sleep(slice_s * (1 - share))
+
+    threading.Thread(target=spin, daemon=True, name="busy").start()
 
 
 def stop_engines(engines, tmp: tempfile.TemporaryDirectory) -> None:
