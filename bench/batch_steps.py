@@ -16,7 +16,9 @@ device-to-host copies run beside the decode steps). Each engine wave also record
 (`Engine.phase_s`). Over HTTP on an H200 a wave of 8 waited 0.38-0.63 s in the engine for
 its first tokens, against 0.09-0.27 s here without a cache: these paths split the
 difference. `--busy-share` adds a Python thread holding the GIL part of the time, as the
-server's event loop does, to see what that costs the engine's host-bound calls.
+server's event loop does, to see what that costs the engine's host-bound calls;
+`--shared-prefix` starts every prompt with the same tokens, as chat prompts share their
+template's, so that the cached paths restore them before each start.
 
     python bench/batch_steps.py --shape 8b --n 8,32 --out OUT.json        # on the GPU
     .venv/bin/python bench/batch_steps.py --shape tiny --n 4 --decode 8 --rounds 1   # CPU dry run
@@ -147,6 +149,9 @@ def main() -> int:
     parser.add_argument("--busy-share", type=float, default=0.0,
                         help="a Python thread beside the engine holds the GIL this share of the time "
                              "(in 2 ms slices), as an event loop serving HTTP streams would")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                        help="every prompt starts with the same TOKENS tokens, as chat prompts share their "
+                             "template's (~31 in bench/throughput.py): the cached paths restore them")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     paths = args.paths.split(",")
@@ -191,7 +196,8 @@ def main() -> int:
     try:
         for n in map(int, args.n.split(",")):
             for r in range(args.rounds):
-                prompts = [prompt_of(rng, rng.randint(lo, hi)) for _ in range(n)]
+                shared = prompt_of(random.Random(1), args.shared_prefix)
+                prompts = [shared + prompt_of(rng, rng.randint(lo, hi) - len(shared)) for _ in range(n)]
                 for label in ("new lengths", "same again"):
                     if "batch_generator" in paths:
                         record(n, f"round {r} {label}", "batch_generator",
@@ -199,10 +205,10 @@ def main() -> int:
                                prompts)
                     for name, engine in engines.items():
                         stagger = args.stagger_ms / 1000 if name == "engine_stagger" else 0.0
-                        # A cached path's prompts are its own each time (a first token of their
-                        # own): a prompt it saw would be a cache hit.
-                        first = 7 + len(name) + 40 * r + 20 * (label == "same again")
-                        own = prompts if name == "engine" else [[first, *p[1:]] for p in prompts]
+                        # A cached path's prompts are its own each time (a token of their own
+                        # after the shared prefix): a prompt it saw would be a cache hit.
+                        mark, k = 7 + len(name) + 40 * r + 20 * (label == "same again"), args.shared_prefix
+                        own = prompts if name == "engine" else [[*p[:k], mark, *p[k + 1:]] for p in prompts]
                         record(n, f"round {r} {label}", name,
                                lambda p, e=engine, s=stagger: run_engine(e, p, decode=args.decode, stagger_s=s), own)
     finally:

@@ -64,8 +64,9 @@ case ",$STEPS," in *,prefill,*)
   step python3 bench/prefill_paths.py --shape 8b --tokens 25417 --tokenizer .gpu/tok --new-lengths \
     --paths engine,generate_step,engine_cache --out "$OUT/prefill_paths.json" 2>&1 | grep -v '  phases' | tail -40 ;; esac
 case ",$STEPS," in *,batch,*)  # item 5: one wave of N short prompts, omlx's engine against BatchGenerator
+  # (BATCH_ARGS: more arguments, e.g. "--shared-prefix 31 --busy-share 0.5")
   step python3 bench/batch_steps.py --shape 8b --n 8,32 --tokenizer .gpu/tok --out "$OUT/batch_steps.json" \
-    --paths "${BATCH_PATHS:-batch_generator,engine,engine_cache,engine_cache_nowrite,engine_stagger}" 2>&1 \
+    --paths "${BATCH_PATHS:-batch_generator,engine,engine_cache,engine_cache_nowrite,engine_stagger}" ${BATCH_ARGS:-} 2>&1 \
     | grep -v '"phases"' | tail -60 ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
