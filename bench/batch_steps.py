@@ -197,7 +197,7 @@ def main() -> int:
         for n in map(int, args.n.split(",")):
             for r in range(args.rounds):
                 shared = prompt_of(random.Random(1), args.shared_prefix)
-                prompts = [shared + prompt_of(rng, rng.randint(lo, hi) - len(shared)) for _ in range(n)]
+                prompts = [shared + prompt_of(rng, max(1, rng.randint(lo, hi) - len(shared))) for _ in range(n)]
                 for label in ("new lengths", "same again"):
                     if "batch_generator" in paths:
                         record(n, f"round {r} {label}", "batch_generator",

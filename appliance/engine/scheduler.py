@@ -207,8 +207,9 @@ class Scheduler:
         self.last_prefill_calls = 0
         self.last_advanced_tokens = 0  # by the last advance(): the blocks the engine may save next
         # The last step's model calls, in order, for the step trace: a start call is
-        # ("start", rows, tokens each row is padded to, ms), a chunk ("advance", 1, tokens,
-        # ms), a decode pass ("pass", rows, tokens its KV buffers hold, ms).
+        # ("start", rows, tokens each row is padded to (a lone prompt: its own), ms), a
+        # chunk ("advance", 1, tokens, ms), a decode pass ("pass", rows, tokens its KV
+        # buffers hold, ms).
         self.last_calls: list[tuple[str, int, int, float]] = []
         # The prompts the last step started: uid -> (prompt tokens computed, seconds), as _Prefill.
         self.last_prefilled: dict[int, tuple[int, float]] = {}
