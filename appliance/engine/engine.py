@@ -39,6 +39,11 @@ RECENT_REQUESTS = 256
 # the blocks prompts computed.
 PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
+# An idle engine pins host memory only this long after its last step or arrival: each pin
+# holds the engine thread and the GPU for ~35-50 ms, and a busy server's gaps between one
+# wave of requests and the next are milliseconds long (on an H100, 8 GiB pinned over the
+# first seconds of a throughput run took 4.2 s of the engine thread, in those gaps).
+PIN_QUIET_S = 1.0
 GATHER_ROUNDS = 4  # an idle engine gathers arrivals for at most this many `gather_ms` (Engine._gather)
 RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
 RATE_TOKENS = 64  # a request's prefill speed counts when it computed this many prompt tokens
@@ -140,6 +145,7 @@ class Engine:
         self._num_live = 0  # submitted and not yet finished
         self._wakeups = 0  # prefetches finished since the engine last looked
         self._submitted_at = 0.0  # time.monotonic() of the last submit
+        self._active_at = 0.0  # time.monotonic() of the engine loop's last work (PIN_QUIET_S)
         self._accepting = True
         self._stopping = False
         self._waiting: deque[Slot] = deque()  # engine thread only
@@ -276,6 +282,7 @@ class Engine:
         return True
 
     def _loop(self) -> None:
+        self._active_at = time.monotonic()
         while True:
             commands = self._next_commands()
             if commands is None:
@@ -291,6 +298,7 @@ class Engine:
             self.phase_s["admit"] += admit_s
             if self._running:
                 self._step(admit_s)
+            self._active_at = time.monotonic()
         for slot in [*self._waiting, *self._running.values()]:
             self._drop(slot, "cancelled")
 
@@ -298,11 +306,16 @@ class Engine:
         """Returns the commands that arrived since the last step; None once stopping. While
         idle, the engine pins host memory for the KV cache's native path, a slot at a time
         (pinning holds the GPU and the host's memory up: never while requests run, nor
-        while one waits for its SSD reads, which it would slow down)."""
+        while one waits for its SSD reads, which it would slow down, nor within
+        `PIN_QUIET_S` of the last step or arrival, when more requests are likely to come)."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
                        or self._stopping or self._wakeups or self._admissible()):
                 if self.cache is not None and not self._waiting and self.cache.store.wants_pinned():
+                    quiet_s = self._active_at + PIN_QUIET_S - time.monotonic()
+                    if quiet_s > 0:
+                        self._cond.wait(timeout=quiet_s)
+                        continue
                     self._cond.release()
                     try:
                         self.cache.store.pin_one()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -228,6 +229,42 @@ def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_
         again, stats = asyncio.run(go())
         assert stats.cached_tokens == len(prompt) - 1  # the tail block too; one token is left to run
         assert again == first
+    finally:
+        eng.stop(drain_s=0)
+        store.close()
+
+
+@pytest.mark.parametrize("quiet_s, pins_after", [(30.0, False), (0.3, True)])
+def test_an_idle_engine_pins_host_memory_only_after_a_quiet_spell(loaded_model, tmp_path, monkeypatch, quiet_s,
+                                                                    pins_after):
+    """Pinning (the native KV path's host slots, made ahead of need) holds the engine up
+    for tens of ms a slot: it waits for `PIN_QUIET_S` without steps or arrivals, so the
+    gaps between one request and the next of a busy server stay free of it."""
+    from appliance.cache.kv import probe_layout
+    from appliance.cache.model_cache import ModelCache
+    from appliance.cache.store import KVStore
+    from appliance.engine import engine as engine_module
+
+    store = KVStore(root=tmp_path / "kv", memory_bytes=64 << 20, host_bytes=0, ssd_bytes=0)
+    cache = ModelCache(store, weights="ef" * 32, compute_dtype="float32", layout=probe_layout(loaded_model.model),
+                       block_tokens=16)
+    pinned: list[float] = []  # when each slot was pinned (no CUDA here: the pool is injected)
+    monkeypatch.setattr(store, "wants_pinned", lambda: len(pinned) < 3)
+    monkeypatch.setattr(store, "pin_one", lambda: pinned.append(time.monotonic()))
+    monkeypatch.setattr(engine_module, "PIN_QUIET_S", quiet_s)
+    eng = Engine(loaded_model, BatchingSpec(max_running=2), cache=cache).start_warm()
+    try:
+        for question in QUESTIONS[:2]:  # two requests in a row: no pinning before, between or during them
+            _, _, reason = asyncio.run(run(eng, request(loaded_model, question, max_tokens=4)))
+            assert reason == "length" and pinned == []
+        finished = time.monotonic()
+        deadline = finished + (10 if pins_after else 1.5)
+        while len(pinned) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pins_after:
+            assert len(pinned) == 3 and pinned[0] >= finished
+        else:
+            assert pinned == []
     finally:
         eng.stop(drain_s=0)
         store.close()
