@@ -35,7 +35,7 @@ def user_config(tmp_path: Path, profile: str) -> Path:
 
 def test_profiles_exist():
     expected = {"linux-cpu", "mac-16gb", "mac-36gb", "mac-64gb", "mac-128gb", "mac-192gb",
-                "nvidia-h200", "coding-agent"}
+                "nvidia-h100", "nvidia-h200", "coding-agent"}
     assert expected <= set(NAMES)
 
 
