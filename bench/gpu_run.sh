@@ -6,7 +6,7 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,composed,gather,profile,speed,agents,70b,quant70b,kept
+#                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #                                  # (default: host,kernels,ready,restore)
 #
@@ -124,6 +124,14 @@ case ",$STEPS," in *,gather,*)  # item 5's A/B: an idle engine gathers arrivals 
     step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
       --omlx-batching "gather_ms = $ms" --out "$OUT/throughput-gather-$ms.json" 2>&1 | tail -14
   done ;; esac
+case ",$STEPS," in *,nocache,*)  # item 5's A/B: omlx with no tier to store blocks in, so nothing restores before
+  # a start (over HTTP each chat prompt restores its template's ~31 tokens from earlier requests' tail blocks)
+  model 8b
+  mkdir -p bench/out/logs
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-nocache.jsonl \
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
+    --omlx-cache "memory_gb = 0" --omlx-cache "host_gb = 0" --omlx-cache "ssd_gb = 0" \
+    --out "$OUT/throughput-nocache.json" 2>&1 | tail -14 ;; esac
 case ",$STEPS," in *,profile,*)  # item 5: where the server's threads hold the GIL at N = 8 and 32, sampled by
   # py-spy (raw stacks per thread, all processes: bench/spy_threads.py sums them); PROFILE_N, PROFILE_ARGS
   model 8b
