@@ -228,13 +228,15 @@ class Round:
     # omlx only, from its /metrics: means over the round of the engine's own figures, so that
     # what the HTTP side adds shows (submission is after the prompt is tokenized)
     # ttft_s (submission to first token), queue_s, gap_ms (between tokens); the engine thread's
-    # seconds per phase of its steps over the round (phases_s), its steps and prefill calls
+    # seconds per phase of its steps over the round (phases_s), its steps and prefill calls, the
+    # prompt tokens it restored from its KV cache (cached_tokens)
     engine: dict | None = None
 
 
 SERVER_SERIES = {"ttft_s": "omlx_time_to_first_token_seconds", "queue_s": "omlx_queue_seconds",
                  "gap_ms": "omlx_inter_token_seconds"}
-ENGINE_COUNTERS = ("omlx_engine_phase_seconds_total", "omlx_engine_steps_total", "omlx_engine_prefill_calls_total")
+ENGINE_COUNTERS = ("omlx_engine_phase_seconds_total", "omlx_engine_steps_total", "omlx_engine_prefill_calls_total",
+                   "omlx_cached_prompt_tokens_total")
 
 
 def server_sums(server: ServerProcess) -> dict[str, float] | None:
@@ -269,6 +271,7 @@ def server_means(before: dict | None, after: dict | None) -> dict | None:
     means["phases_s"] = {phase: round(grew(f"{ENGINE_COUNTERS[0]}:{phase}"), 4) for phase in phases}
     means["steps"] = int(grew(ENGINE_COUNTERS[1]))
     means["prefill_calls"] = int(grew(ENGINE_COUNTERS[2]))
+    means["cached_tokens"] = int(grew(ENGINE_COUNTERS[3]))  # restored from the KV cache, every tier
     return means
 
 
@@ -311,7 +314,8 @@ async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Roun
                     f"others' CPU {r.foreign_cpu_share:.0%} {' '.join(r.errors[:1])}"
                     + (f"; in the engine: TTFT {fmt(r.engine['ttft_s'])} s, queue {fmt(r.engine['queue_s'])} s, "
                        f"token gap {fmt(r.engine['gap_ms'])} ms, {r.engine['steps']} steps, "
-                       f"{r.engine['prefill_calls']} prefill calls, seconds by phase {r.engine['phases_s']}"
+                       f"{r.engine['prefill_calls']} prefill calls, {r.engine['cached_tokens']} prompt tokens "
+                       f"restored, seconds by phase {r.engine['phases_s']}"
                        if r.engine else ""))
                 rounds.append(r)
                 save()
