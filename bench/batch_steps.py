@@ -193,10 +193,10 @@ def main() -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
 
+    shared = prompt_of(random.Random(1), args.shared_prefix)  # every prompt's first tokens
     try:
         for n in map(int, args.n.split(",")):
             for r in range(args.rounds):
-                shared = prompt_of(random.Random(1), args.shared_prefix)
                 prompts = [shared + prompt_of(rng, max(1, rng.randint(lo, hi) - len(shared))) for _ in range(n)]
                 for label in ("new lengths", "same again"):
                     if "batch_generator" in paths:

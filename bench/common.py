@@ -164,10 +164,10 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
     port = free_port()
     batching_lines = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
     batching_lines += "".join(f"{line}\n" for line in batching)
-    memory = f"memory_gb = {memory_gb}\n" if memory_gb is not None else ""
-    memory += f"ssd_kv_bits = {ssd_kv_bits}\n" if ssd_kv_bits != 16 else ""
-    memory += f"host_kv_bits = {host_kv_bits}\n" if host_kv_bits != 16 else ""
-    memory += "".join(f"{line}\n" for line in cache)
+    cache_lines = f"memory_gb = {memory_gb}\n" if memory_gb is not None else ""
+    cache_lines += f"ssd_kv_bits = {ssd_kv_bits}\n" if ssd_kv_bits != 16 else ""
+    cache_lines += f"host_kv_bits = {host_kv_bits}\n" if host_kv_bits != 16 else ""
+    cache_lines += "".join(f"{line}\n" for line in cache)
     config = work_dir / "omlx.toml"
     with_profiles(work_dir, code)
     head = f'profile = "{profile}"\n' if profile else ""
@@ -185,7 +185,7 @@ dtype = "{dtype}"
 
 [cache]
 dir = "{work_dir / 'cache'}"
-{memory}
+{cache_lines}
 [batching]
 max_running = {max_running}
 max_queued = {max_queued}

@@ -110,28 +110,22 @@ case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 ${THROUGHPUT_ARGS:---mlx-lm-batch} \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
-case ",$STEPS," in *,composed,*)  # item 5's A/B: short calls' attention composed (no cuDNN graphs)
+omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 8 and 32 with ARGS for
+  # bench/throughput.py, each step traced (throughput-NAME.json, steps-NAME.jsonl)
+  local name=$1; shift
   model 8b
   mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-composed.jsonl \
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-$name.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
-    --omlx-batching 'short_attention = "composed"' --out "$OUT/throughput-composed.json" 2>&1 | tail -14 ;; esac
-case ",$STEPS," in *,gather,*)  # item 5's A/B: an idle engine gathers arrivals ([batching] gather_ms, GATHER_MS)
-  model 8b
-  mkdir -p bench/out/logs
-  for ms in ${GATHER_MS:-5}; do
-    OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-gather-$ms.jsonl \
-    step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
-      --omlx-batching "gather_ms = $ms" --out "$OUT/throughput-gather-$ms.json" 2>&1 | tail -14
-  done ;; esac
-case ",$STEPS," in *,nocache,*)  # item 5's A/B: omlx with no tier to store blocks in, so nothing restores before
-  # a start (over HTTP each chat prompt restores its template's ~31 tokens from earlier requests' tail blocks)
-  model 8b
-  mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-nocache.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
-    --omlx-cache "memory_gb = 0" --omlx-cache "host_gb = 0" --omlx-cache "ssd_gb = 0" \
-    --out "$OUT/throughput-nocache.json" 2>&1 | tail -14 ;; esac
+    "$@" --out "$OUT/throughput-$name.json" 2>&1 | tail -14
+}
+case ",$STEPS," in *,composed,*)  # short calls' attention composed (no cuDNN graphs)
+  omlx_ab composed --omlx-batching 'short_attention = "composed"' ;; esac
+case ",$STEPS," in *,gather,*)  # an idle engine gathers arrivals ([batching] gather_ms, GATHER_MS)
+  for ms in ${GATHER_MS:-5}; do omlx_ab gather-$ms --omlx-batching "gather_ms = $ms"; done ;; esac
+case ",$STEPS," in *,nocache,*)  # no tier to store blocks in, so nothing restores before a start (over HTTP
+  # each chat prompt restores its template's ~31 tokens from earlier requests' tail blocks)
+  omlx_ab nocache --omlx-cache "memory_gb = 0" --omlx-cache "host_gb = 0" --omlx-cache "ssd_gb = 0" ;; esac
 case ",$STEPS," in *,profile,*)  # item 5: where the server's threads hold the GIL at N = 8 and 32, sampled by
   # py-spy (raw stacks per thread, all processes: bench/spy_threads.py sums them); PROFILE_N, PROFILE_ARGS
   model 8b
