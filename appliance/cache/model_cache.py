@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -65,6 +65,19 @@ class Lookup:
 
     def truncated(self, n: int) -> Lookup:
         return Lookup(self.hits[:n], self.tenant)
+
+    def aligned(self, multiple: int) -> Lookup:
+        """Returns the prefix of this lookup whose length is a multiple of `multiple`
+        tokens, its last hit shortened (a block's first tokens serve alone)."""
+        left = self.num_tokens // multiple * multiple
+        hits = []
+        for hit in self.hits:
+            if left <= 0:
+                break
+            use = min(hit.use_tokens, left)
+            hits.append(hit if use == hit.use_tokens else replace(hit, use_tokens=use))
+            left -= use
+        return Lookup(tuple(hits), self.tenant)
 
 
 @dataclass(frozen=True)
@@ -208,16 +221,19 @@ class ModelCache:
         return chosen
 
     def restorable(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
-                   prefill_tok_s: float | None, count: bool = True) -> Lookup:
-        """Returns the cached prefix of `tokens` whose restore beats recomputing it."""
-        return self.worth_restoring(self.lookup(tokens, tenant=tenant), prefill_tok_s=prefill_tok_s,
-                                    count=count)
+                   prefill_tok_s: float | None, multiple: int = 1, count: bool = True) -> Lookup:
+        """Returns the cached prefix of `tokens` whose restore beats recomputing it, a
+        multiple of `multiple` tokens long (see Engine._restore)."""
+        return self.worth_restoring(self.lookup(tokens, tenant=tenant).aligned(multiple),
+                                    prefill_tok_s=prefill_tok_s, count=count)
 
     def prefetch(self, tokens: Sequence[int], *, tenant: str = DEFAULT_TENANT,
-                 prefill_tok_s: float | None = None, started: Callable[[], None] | None = None) -> int:
+                 prefill_tok_s: float | None = None, multiple: int = 1,
+                 started: Callable[[], None] | None = None) -> int:
         """Reads the SSD blocks worth restoring into host RAM; returns how many. `started`
         is called once their reads are under way (KVStore.prefetch), when there are any."""
-        lookup = self.restorable(tokens, tenant=tenant, prefill_tok_s=prefill_tok_s, count=False)
+        lookup = self.restorable(tokens, tenant=tenant, prefill_tok_s=prefill_tok_s, multiple=multiple,
+                                 count=False)
         wanted = [(h.key, h.tokens) for h in lookup.hits if h.tier == SSD]
         return self.store.prefetch(wanted, dir=self.space(tenant).dir, started=started) if wanted else 0
 

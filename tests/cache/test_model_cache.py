@@ -328,6 +328,37 @@ def test_a_new_question_restores_the_whole_shared_context(rigs, tmp_path, restar
     assert warm["tokens"] == cold["tokens"]
 
 
+def test_an_aligned_lookup_keeps_whole_multiples_and_shortens_its_last_hit():
+    from appliance.cache.model_cache import Hit, Lookup
+
+    hits = tuple(Hit(bytes([i]), b"", tuple(range(64)), "memory", use) for i, use in enumerate((64, 64, 40)))
+    lookup = Lookup(hits, "alice")
+    assert [h.use_tokens for h in lookup.aligned(32).hits] == [64, 64, 32]
+    assert [h.use_tokens for h in lookup.aligned(128).hits] == [64, 64]
+    assert [h.use_tokens for h in lookup.aligned(96).hits] == [64, 32]
+    assert lookup.aligned(256).hits == ()
+    assert lookup.aligned(1) == lookup
+    assert lookup.aligned(32).tenant == "alice"
+
+
+def test_where_calls_come_in_shapes_a_restore_covers_whole_shapes(rigs, tmp_path):
+    """On GPUs (Scheduler.shape_tokens > 1) the restored prefix is a multiple of the shape
+    and the rest is recomputed: its length joins the keys of the call starting the prompt,
+    and MLX CUDA builds an attention graph per shape."""
+    from appliance.cache.model_cache import common_prefix
+
+    rig = rigs(tmp_path / "kv")
+    rig.engine._scheduler.shape_tokens = 32
+    first, second = rig.prompt("What does this code do?"), rig.prompt("Who maintains this code?")
+    rig.run(first)
+    (warm,) = rig.run(second)
+    shared = common_prefix(first, second)
+    assert shared % 32 != 0
+    assert warm["cached"] == shared // 32 * 32
+    (cold,) = rigs(tmp_path / "cold").run(second)
+    assert warm["tokens"] == cold["tokens"]
+
+
 def test_a_cache_attached_to_a_running_engine_serves_from_then_on(rigs, tmp_path):
     """First sight of a large model attaches its cache after readiness (the weights'
     fingerprint still hashing): requests before run without it, later ones use it, and the
