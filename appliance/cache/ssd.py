@@ -178,6 +178,10 @@ class SsdTier:
             self._reserved -= nbytes
             return self._index_written(block, nbytes, path)
 
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
     def resize(self, budget_bytes: int) -> None:
         """Sets the byte budget; a lower one evicts LRU blocks before returning."""
         if budget_bytes < 0:

@@ -579,6 +579,12 @@ class KVStore:
         self.kv_bits = {HOST: host_kv_bits, SSD: ssd_kv_bits}
         self._warm()
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Returns whether any tier has room for a block (every budget 0: saves are moot)."""
+        ssd = self.ssd is not None and self.ssd_error is None and self.ssd.budget_bytes > 0
+        return self.memory.budget_bytes > 0 or self.host.budget_bytes > 0 or ssd
+
     def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:
         """Applies new budgets; lower ones evict at once (memory demotes to host)."""
         # Host first, so that memory's evictions land under host's new budget.

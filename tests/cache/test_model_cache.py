@@ -264,6 +264,15 @@ def test_tenants_never_share_blocks(rigs, tmp_path):
     assert rig.run(prompt, tenant=alice)[0]["cached"] == len(prompt) - 1
 
 
+def test_with_every_tier_at_zero_no_block_is_cut(rigs, tmp_path):
+    rig = rigs(tmp_path / "kv", memory=0, host=0, ssd=0)
+    prompt = rig.prompt("What is tested?")
+    (cold,) = rig.run(prompt)
+    (again,) = rig.run(prompt)
+    assert again["cached"] == 0 and again["tokens"] == cold["tokens"]
+    assert rig.cache.counters["saved_blocks"] == 0
+
+
 def test_restore_is_skipped_when_recomputing_is_faster(rigs, tmp_path):
     rig = rigs(tmp_path / "kv", memory=0, host=0)
     prompt = rig.prompt("What is tested?")

@@ -380,6 +380,16 @@ def test_resize_demotes_spills_and_shrinks_the_ssd(store):
     assert [store.tier_of(b.key, DIR) for b in blocks] == [None, None, HOST, MEMORY]
 
 
+def test_a_store_keeps_blocks_while_any_tier_has_a_budget(store):
+    assert store.keeps_blocks
+    store.resize(memory_bytes=0, host_bytes=0, ssd_bytes=64 * MIB)
+    assert store.keeps_blocks
+    store.resize(memory_bytes=0, host_bytes=0, ssd_bytes=0)
+    assert not store.keeps_blocks
+    store.resize(memory_bytes=0, host_bytes=BLOCK_BYTES, ssd_bytes=0)
+    assert store.keeps_blocks
+
+
 def test_raising_budgets_keeps_blocks_and_takes_new_ones(store):
     blocks = make_blocks(6)
     store.save(blocks[:4])
