@@ -415,12 +415,16 @@ class Engine:
 
     def _save_all(self, finished: list[tuple[Slot, list | None, list[int] | None]], *,
                   skip_tokens: int | None = None) -> None:
-        """`_save` for several requests, with one wait for the device (`ModelCache.save_all`)."""
+        """`_save` for several requests, with one wait for the device (`ModelCache.save_all`).
+        On GPUs only whole prefill shapes of their tokens: no more is ever restored
+        (`_restore`), and a short chat's partial block cost its wave's last step on an
+        H100 29-35 ms at 8 rows, 61-71 ms at 32."""
         if self.cache is None:
             return
-        savings = [Saving(cache, tokens, slot.request.tenant,
+        shape = self._scheduler.shape_tokens
+        savings = [Saving(cache, tokens[:len(tokens) // shape * shape], slot.request.tenant,
                           slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
-                   for slot, cache, tokens in finished if cache and tokens]
+                   for slot, cache, tokens in finished if cache and tokens and len(tokens) >= shape]
         if not savings:
             return
         try:

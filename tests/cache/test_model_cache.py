@@ -368,6 +368,17 @@ def test_where_calls_come_in_shapes_a_restore_covers_whole_shapes(rigs, tmp_path
     assert warm["tokens"] == cold["tokens"]
 
 
+@pytest.mark.parametrize("shape, saved", [(1, True), (BLOCK, False)])
+def test_where_calls_come_in_shapes_only_whole_shapes_are_saved(rigs, tmp_path, shape, saved):
+    """A chat shorter than one shape leaves nothing a later restore could use: nothing is cut."""
+    rig = rigs(tmp_path / "kv")
+    rig.engine._scheduler.shape_tokens = shape
+    prompt = rig.prompt("Hi.", context="x = 1")
+    assert len(prompt) + 8 < BLOCK
+    rig.run(prompt)
+    assert (rig.cache.counters["saved_blocks"] > 0) == saved
+
+
 def test_a_cache_attached_to_a_running_engine_serves_from_then_on(rigs, tmp_path):
     """First sight of a large model attaches its cache after readiness (the weights'
     fingerprint still hashing): requests before run without it, later ones use it, and the
