@@ -19,15 +19,18 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from appliance.cache.model_cache import ModelCache, Saving
 from appliance.engine.request import Finished, GenerationRequest, RequestStats
-from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
 from appliance.engine.slot import Slot
 from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
 from appliance.engine.warm_up import warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
+from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
 
 log = logging.getLogger("omlx.engine")
@@ -131,6 +134,9 @@ class Engine:
         self._prefetcher = prefetcher
         # Measured, for restore-or-recompute; kept in the store, which keeps it across restarts.
         self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
+        # Restores and saves keep to multiples of this many tokens: on MLX CUDA the GPU
+        # scheduler's prefill shape (see `_restore`), elsewhere any length.
+        self.whole_tokens = GPU_SHAPE_TOKENS if device_kind() == "gpu" and mx.cuda.is_available() else 1
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         # Where the engine thread's time goes, in seconds per phase of a step (PHASES), with
         # the steps and batched-start prefill calls counted: read by /metrics.
@@ -194,7 +200,7 @@ class Engine:
                 # SSD reads start now, not when the request reaches the front of the queue.
                 slot.prefetch = self._prefetcher.submit(
                     self.cache.prefetch, request.prompt_tokens, tenant=request.tenant,
-                    prefill_tok_s=self.prefill_tok_s, multiple=self._scheduler.shape_tokens,
+                    prefill_tok_s=self.prefill_tok_s, multiple=self.whole_tokens,
                     started=lambda: self._reading(slot))
                 slot.prefetch.add_done_callback(lambda _: self._wake())
             self._num_live += 1
@@ -383,8 +389,8 @@ class Engine:
             self._running[slot.uid] = slot
 
     def _restore(self, slot: Slot) -> Any:
-        """Restores the cached prefix of `slot`'s prompt worth restoring; on GPUs whole
-        prefill shapes of it (`Scheduler.shape_tokens`), the rest recomputed. A restored
+        """Restores the cached prefix of `slot`'s prompt worth restoring; on MLX CUDA whole
+        prefill shapes of it (`whole_tokens`), the rest recomputed. A restored
         prefix adds its length to the keys of the call that starts the prompt, and MLX
         CUDA builds an attention graph per shape: over HTTP on an H100, chat prompts
         restoring their template's 24-34 tokens started waves of 8 and 32 in 0.45-0.65 s
@@ -395,7 +401,7 @@ class Engine:
         started = time.perf_counter()
         try:
             lookup = self.cache.restorable(prompt, tenant=slot.request.tenant, prefill_tok_s=self.prefill_tok_s,
-                                           multiple=self._scheduler.shape_tokens)
+                                           multiple=self.whole_tokens)
             restored = self.cache.restore(lookup, prompt_tokens=len(prompt))
         except Exception:  # a cache fault costs a recompute, never the request
             log.exception("cache restore failed on model %s; recomputing", self.loaded.name)
@@ -416,12 +422,12 @@ class Engine:
     def _save_all(self, finished: list[tuple[Slot, list | None, list[int] | None]], *,
                   skip_tokens: int | None = None) -> None:
         """`_save` for several requests, with one wait for the device (`ModelCache.save_all`).
-        On GPUs only whole prefill shapes of their tokens: no more is ever restored
-        (`_restore`), and a short chat's partial block cost its wave's last step on an
-        H100 29-35 ms at 8 rows, 61-71 ms at 32."""
+        On MLX CUDA only whole prefill shapes of their tokens (`whole_tokens`): no more is
+        ever restored (`_restore`), and a short chat's partial block cost its wave's last
+        step on an H100 29-35 ms at 8 rows, 61-71 ms at 32."""
         if self.cache is None:
             return
-        shape = self._scheduler.shape_tokens
+        shape = self.whole_tokens
         savings = [Saving(cache, tokens[:len(tokens) // shape * shape], slot.request.tenant,
                           slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
                    for slot, cache, tokens in finished if cache and tokens and len(tokens) >= shape]

@@ -351,13 +351,13 @@ def test_an_aligned_lookup_keeps_whole_multiples_and_shortens_its_last_hit():
 
 
 def test_where_calls_come_in_shapes_a_restore_covers_whole_shapes(rigs, tmp_path):
-    """On GPUs (Scheduler.shape_tokens > 1) the restored prefix is a multiple of the shape
+    """On MLX CUDA (Engine.whole_tokens > 1) the restored prefix is a multiple of the shape
     and the rest is recomputed: its length joins the keys of the call starting the prompt,
     and MLX CUDA builds an attention graph per shape."""
     from appliance.cache.model_cache import common_prefix
 
     rig = rigs(tmp_path / "kv")
-    rig.engine._scheduler.shape_tokens = 32
+    rig.engine.whole_tokens = 32
     first, second = rig.prompt("What does this code do?"), rig.prompt("Who maintains this code?")
     rig.run(first)
     (warm,) = rig.run(second)
@@ -372,7 +372,7 @@ def test_where_calls_come_in_shapes_a_restore_covers_whole_shapes(rigs, tmp_path
 def test_where_calls_come_in_shapes_only_whole_shapes_are_saved(rigs, tmp_path, shape, saved):
     """A chat shorter than one shape leaves nothing a later restore could use: nothing is cut."""
     rig = rigs(tmp_path / "kv")
-    rig.engine._scheduler.shape_tokens = shape
+    rig.engine.whole_tokens = shape
     prompt = rig.prompt("Hi.", context="x = 1")
     assert len(prompt) + 8 < BLOCK
     rig.run(prompt)
