@@ -582,7 +582,7 @@ class KVStore:
     @property
     def keeps_blocks(self) -> bool:
         """Returns whether any tier has room for a block (every budget 0: saves are moot)."""
-        ssd = self.ssd is not None and self.ssd_error is None and self.ssd.budget_bytes > 0
+        ssd = self.ssd is not None and self.ssd.budget_bytes > 0  # None: not opened (ssd_error)
         return self.memory.budget_bytes > 0 or self.host.budget_bytes > 0 or ssd
 
     def resize(self, *, memory_bytes: int, host_bytes: int, ssd_bytes: int) -> None:

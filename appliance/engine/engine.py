@@ -431,10 +431,10 @@ class Engine:
         step on an H100 29-35 ms at 8 rows, 61-71 ms at 32."""
         if self.cache is None:
             return
-        shape = self.whole_tokens
-        savings = [Saving(cache, tokens[:len(tokens) // shape * shape], slot.request.tenant,
+        whole = self.whole_tokens
+        savings = [Saving(cache, tokens[:len(tokens) // whole * whole], slot.request.tenant,
                           slot.stats.cached_tokens if skip_tokens is None else skip_tokens)
-                   for slot, cache, tokens in finished if cache and tokens and len(tokens) >= shape]
+                   for slot, cache, tokens in finished if cache and tokens and len(tokens) >= whole]
         if not savings:
             return
         try:
