@@ -8,6 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
+#   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
 #
 # Everything lands in $OUT (JSON per bench, the server logs). Each step runs under its own
@@ -26,6 +27,7 @@ if [ ! -f /tmp/site/.done ]; then  # reassemble the MLX CUDA wheel and install a
 fi
 export PYTHONPATH=/tmp/site:$PWD
 STEP_S=${STEP_S:-540}
+OMLX_PROFILE=${OMLX_PROFILE:-nvidia-h200}  # the omlx profile every step's servers run under (nvidia-h100 on an H100)
 pkill -f "[a]ppliance serve" ; pkill -f "[m]lx_lm.server" ; sleep 1  # left by a cut-off call
 rm -rf /tmp/omlx-bench-* /tmp/omlx-restore-*  # their cache dirs
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -75,32 +77,32 @@ case ",$STEPS," in *,ready,*)
   model 8b
   # A fresh cache dir: the weights are seen for the first time (their fingerprint hashed).
   # Empty JIT caches make each start a machine's first; then a later start, imports profiled.
-  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --fresh-kernel-caches --stand-in off --out "$OUT/ready-no-stand-in.json" 2>&1 | tail -25
-  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --fresh-kernel-caches --out "$OUT/ready.json" 2>&1 | tail -25
-  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --import-profile --out "$OUT/ready-later.json" 2>&1 | tail -60 ;; esac
 case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive what a reboot does to /tmp
   model 8b
   rm -rf /tmp/omlx-kept
-  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --work /tmp/omlx-kept --kernels-in-cache-dir --out "$OUT/ready-kept-first.json" 2>&1 | tail -25
   rm -rf "/tmp/mlx"  # MLX's default kernel cache, as a reboot empties a tmpfs /tmp
-  step python3 bench/start_to_ready.py /tmp/llama-8b --profile nvidia-h200 --tokens 25000 \
+  step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --work /tmp/omlx-kept --kernels-in-cache-dir --out "$OUT/ready-kept-later.json" 2>&1 | tail -25 ;; esac
 case ",$STEPS," in *,restore,*)
   model 8b
-  step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" --host \
+  step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes "${RESTORE_SIZES:-8K,25K}" --host \
     --ssd-repeats 1 --out "$OUT/restore.json" 2>&1 | tail -45 ;; esac
 case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
   model 8b
-  step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes "${RESTORE_SIZES:-8K,25K}" \
+  step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes "${RESTORE_SIZES:-8K,25K}" \
     --ssd-kv-bits 8 --ssd-repeats 1 --out "$OUT/restore8.json" 2>&1 | tail -12 ;; esac
 case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bits, 8K and 32K
   model 8b
   for bits in ${BITS:-16 8 4}; do
-    step python3 bench/restore.py --model /tmp/llama-8b --profile nvidia-h200 --sizes ${SIZES:-8K,32K} --host \
+    step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes ${SIZES:-8K,32K} --host \
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
@@ -108,7 +110,7 @@ case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 ${THROUGHPUT_ARGS:---mlx-lm-batch} \
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" ${THROUGHPUT_ARGS:---mlx-lm-batch} \
     --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 8 and 32 with ARGS for
   # bench/throughput.py, each step traced (throughput-NAME.json, steps-NAME.jsonl)
@@ -116,7 +118,7 @@ omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-$name.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a --n 8 --n 32 --omlx-only \
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --only a --n 8 --n 32 --omlx-only \
     "$@" --out "$OUT/throughput-$name.json" 2>&1 | tail -14
 }
 case ",$STEPS," in *,composed,*)  # short calls' attention composed (no cuDNN graphs)
@@ -130,24 +132,24 @@ case ",$STEPS," in *,profile,*)  # item 5: where the server's threads hold the G
   # py-spy (raw stacks per thread, all processes: bench/spy_threads.py sums them); PROFILE_N, PROFILE_ARGS
   model 8b
   step /tmp/site/bin/py-spy record --subprocesses --threads -r 200 -f raw ${PROFILE_ARGS:---gil --nonblocking} \
-    -o "$OUT/profile.txt" -- python3 bench/throughput.py --model /tmp/llama-8b --profile nvidia-h200 --only a \
+    -o "$OUT/profile.txt" -- python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --only a \
     ${PROFILE_N:---n 8 --n 32} --omlx-only --out "$OUT/throughput-profile.json" 2>&1 | tail -14 ;; esac
 case ",$STEPS," in *,speed,*)  # item 3: the prefill speed a restore decision reads, after a lone prompt and a burst
   model 8b
-  step python3 bench/prefill_speed.py --model /tmp/llama-8b --profile nvidia-h200 --burst 32 \
+  step python3 bench/prefill_speed.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --burst 32 \
     --out "$OUT/prefill_speed.json" 2>&1 | tail -6 ;; esac
 case ",$STEPS," in *,agents,*)  # item 6: 32 contexts of 8K tokens, a restart halfway
   model 8b
-  step python3 bench/agent_trace.py --model /tmp/llama-8b --profile nvidia-h200 --out "$OUT/agent_trace.json" \
+  step python3 bench/agent_trace.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --out "$OUT/agent_trace.json" \
     2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,70b,*)  # item 4: the 70B-shaped model at 4 bits, 32K from host and SSD
   model 70b
-  step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes 32K --host \
+  step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile "$OMLX_PROFILE" --sizes 32K --host \
     --ssd-repeats 1 --out "$OUT/restore70b.json" 2>&1 | tail -20 ;; esac
 case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at fewer bits (8 minutes a precision)
   model 70b
   for bits in ${BITS:-8 4}; do
-    step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile nvidia-h200 --sizes ${SIZES:-8K,32K} --host \
+    step python3 bench/restore.py --model /tmp/llama-70b-4bit --profile "$OMLX_PROFILE" --sizes ${SIZES:-8K,32K} --host \
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant70b-$bits.json" 2>&1 \
       | tail -8
   done ;; esac
