@@ -106,7 +106,8 @@ case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bi
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
-  # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only")
+  # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
+  # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory)
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \

@@ -13,7 +13,8 @@ much p99 grows.
 Both servers serve the same model (by default the converted float32 test model; with
 --model a model directory such as bench/gpu_model.py makes, which omlx loads in its own
 dtype) and run at the same time; one idles while the other is measured, and they take
-turns going first, so slow drift in the machine's load hits both. Every prompt is
+turns going first, so slow drift in the machine's load hits both (with --one-at-a-time
+each runs alone, one after the other, for a GPU too small to hold both). Every prompt is
 unique past its first ~31 tokens (the chat template's system prompt and `[label #`), so no
 prompt cache (omlx's tiers, mlx_lm's LRU) can serve more than that; both get the same
 prompts. The servers get OpenBLAS preloaded where it is installed (for MLX on CPU).
@@ -623,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="scenario A at this concurrency only (repeat for several)")
     parser.add_argument("--omlx-only", action="store_true",
                         help="skip mlx_lm.server (for iterating; published figures come from runs with both)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="run the servers one after the other, each alone on the machine (for a GPU "
+                             "too small to hold both: on an 80 GB H100, N = 64 beside each other ran out of memory)")
     parser.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
                         help="an extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prefill-step-size=512)")
     parser.add_argument("--model", type=Path, metavar="DIR",
@@ -650,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "auto" if args.model else "float32"
     suffix = "".join([f"-{model_dir.name}" if args.model else "", "-quick" * args.quick, f"-{args.only}" if args.only else "",
                       "".join(f"-n{n}" for n in args.n or ()), "-variant" * bool(args.mlx_lm_arg),
-                      "-omlx" * args.omlx_only])
+                      "-omlx" * args.omlx_only, "-apart" * args.one_at_a_time])
     out = args.out or OUT_DIR / f"throughput{suffix}.json"
     # SIGTERM unwinds like Ctrl-C, so the servers below are stopped either way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -684,14 +688,18 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(server)
         record["servers"] = {s.name: s.argv for s in servers}
         record["omlx_config"] = (Path(tmp) / "omlx.toml").read_text()
-        try:
-            for server in servers:
-                log(f"starting {server.name}: {' '.join(server.argv)}")
-                server.start()
-            asyncio.run(measure(servers, plan, model_dir, record, save, scenarios=args.only or "ab"))
-        finally:
-            record["log_tails"] = {s.name: s.log_tail(60) for s in servers}
-            save()
+        record["log_tails"] = {}
+        for group in [[s] for s in servers] if args.one_at_a_time else [servers]:
+            try:
+                for server in group:
+                    log(f"starting {server.name}: {' '.join(server.argv)}")
+                    server.start()
+                asyncio.run(measure(group, plan, model_dir, record, save, scenarios=args.only or "ab"))
+            finally:
+                for server in group:
+                    server.stop()
+                    record["log_tails"][server.name] = server.log_tail(60)
+                save()
     # After the servers have stopped, so that their memory (on a GPU, most of the card) is free.
     if args.mlx_lm_batch and (args.only or "a") == "a":
         scenario_a_batch(model_dir, plan, record["scenario_a_mlx_lm_batch"], save)
