@@ -340,8 +340,11 @@ class Scheduler:
         self.last_prefilled = {p.uid: (p.computed, p.seconds) for p in starting}
         for joining, part_group in self._by_generation(parts):
             batch = extend_first(part_group)
+            # uint32, as sampled tokens are: a join concatenates the two, and mixed kinds would
+            # index the embeddings with int64 (one more kernel for MLX CUDA to compile).
+            pending = mx.array([last[u] for u in batch.uids], dtype=mx.uint32)
             started_rows = self._generation_class(
-                self.model, batch.uids, mx.array([last[u] for u in batch.uids]), batch.prompt_cache,
+                self.model, batch.uids, pending, batch.prompt_cache,
                 batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
                 batch.stop_sequences, batch.max_tokens)
             if joining is None:
