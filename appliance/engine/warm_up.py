@@ -1,8 +1,9 @@
 """The warm-up: what a first chat request needs, run through a scheduler before a model
 counts as ready (template, tokenizer, a prefill, decode steps greedy and sampled, the
-detokenizer; on GPUs a prompt of two full prefill chunks too). MLX compiles GPU kernels
-per shape, and MLX CUDA builds an attention graph per shape on each thread: a first
-request would pay for them otherwise."""
+detokenizer; on GPUs a prompt of two full prefill chunks, and a batch's changes: rows
+started together, joining, leaving). MLX compiles GPU kernels per shape and per kind of
+index, and MLX CUDA builds an attention graph per shape on each thread: a first request
+would pay for them otherwise."""
 
 from __future__ import annotations
 
@@ -28,6 +29,36 @@ def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> 
     for n in gpu_warm_up_lengths(limits, loaded.context_tokens):  # long prompts' prefill shapes
         long = (prompt * (n // len(prompt) + 1))[:n]
         run_alone(scheduler, Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), loaded))
+    if device_kind() == "gpu":
+        run_batch_changes(scheduler, loaded, prompt)
+
+
+def run_batch_changes(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...]) -> list[list]:
+    """Runs, on an idle scheduler, rows through each change a generation batch meets:
+    two prompts of unlike lengths started in one call (padded), a third joining them a
+    step later (`extend`), rows finishing apart (`filter`), the last emptying it. Each
+    change indexes arrays of its own kinds (the rows' KV, their tokens and offsets), and
+    MLX CUDA compiles the kernel of each kind the first time a machine meets it: on an
+    H100 2.3-3.2 s each, which a machine's first requests paid in the middle of their
+    decoding (BENCHMARKS.md, "What a batch's change costs"). Returns each step's calls
+    (`Scheduler.last_calls`); nothing is kept."""
+    def insert(tokens: tuple[int, ...], max_tokens: int) -> int:
+        request = GenerationRequest(tokens, max_tokens, WARM_UP_SAMPLING[0])
+        return scheduler.insert(**Slot(request, loaded).insert_args())
+
+    running = {insert(prompt, 2), insert(prompt[:max(1, len(prompt) // 2)], WARM_UP_TOKENS + 2)}
+    steps = []
+    for step in range(8 * WARM_UP_TOKENS):  # bounded: each row ends by its max_tokens
+        _, generated = scheduler.step()
+        steps.append(list(scheduler.last_calls))
+        if step == 0:
+            running.add(insert(prompt[1:], WARM_UP_TOKENS))
+        running -= {r.uid for r in generated if r.finish_reason is not None}
+        if not running:
+            break
+    for uid in running:
+        scheduler.remove(uid, keep_cache=False)
+    return steps
 
 
 def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from appliance.engine.scheduler import Scheduler
-from appliance.engine.warm_up import gpu_warm_up_lengths, warm_up
+from appliance.engine.warm_up import gpu_warm_up_lengths, run_batch_changes, warm_up
 from appliance.spec import BatchingSpec
 
 pytestmark = pytest.mark.slow
@@ -25,3 +25,18 @@ def test_long_prompts_warm_up_on_gpus_only(loaded_model):
     lengths = gpu_warm_up_lengths(BatchingSpec(prefill_chunk_tokens=512), context_tokens=2048)
     assert lengths == ([1025] if mx.default_device() == mx.gpu else [])
     assert gpu_warm_up_lengths(BatchingSpec(prefill_chunk_tokens=4096), context_tokens=2048) in ([2048], [])
+
+
+@pytest.mark.parametrize("as_on_gpus", [False, True])
+def test_the_batch_changes_start_rows_together_join_and_leave(loaded_model, as_on_gpus):
+    if as_on_gpus:  # pipelined rows, shapes in whole multiples, batches by length
+        scheduler = Scheduler(loaded_model.model, chunk_tokens=2048, lookahead=True, shape_tokens=256, apart=True)
+    else:
+        scheduler = Scheduler.for_device(loaded_model.model, BatchingSpec(prefill_chunk_tokens=64))
+    prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Say hello."}]))
+    steps = run_batch_changes(scheduler, loaded_model, prompt)
+    passes = [c[1] for calls in steps for c in calls if c[0] == "pass"]
+    assert [c[1] for c in steps[0] if c[0] == "start"] == [2]  # two unlike prompts, one call
+    assert 3 in passes  # the third joined the two decoding
+    assert passes.index(3) < len(passes) - 1 and passes[-1] < 3  # and rows left one by one
+    assert len(scheduler) == 0
