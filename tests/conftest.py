@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_GGUF = REPO / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEST_CACHE = REPO / ".cache" / "test"  # ignored by git; reused across runs (no re-conversion)
 MODEL_NAME = "smollm2-135m"
+# A chat request's logit_bias that bans SmolLM2's <|im_end|> (EOS): its answer then runs to
+# max_tokens, so a test can see a stream still going.
+NO_EOS = {"2": -100}
 SERVER_START_S = 600  # a first run converts the GGUF before serving
 
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, Server, free_port, served, start_server, wait_for, write_config
+from tests.conftest import MODEL_NAME, NO_EOS, Server, free_port, served, start_server, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ QUESTIONS = ["What is the capital of France?", "Tell me a joke.", "What is 2+2?"
 # EOS banned: the model answers this prompt in ~15 tokens, over before a test could see it
 # running; banned, it runs to max_tokens.
 LONG = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count from one to one hundred."}],
-        "temperature": 0, "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
+        "temperature": 0, "max_tokens": 400, "stream": True, "logit_bias": NO_EOS}
 
 
 @pytest.fixture(scope="module")

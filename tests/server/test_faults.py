@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from appliance.cache.block import decode, read_file
-from tests.conftest import MODEL_NAME, Server, free_port, start_server, wait_for, write_config
+from tests.conftest import MODEL_NAME, NO_EOS, Server, free_port, start_server, wait_for, write_config
 from tests.server.test_cache_api import chat
 
 pytestmark = pytest.mark.slow
@@ -325,7 +325,6 @@ def test_garbage_config_mid_run_keeps_the_last_good_one(small: Server):
 # At temperature 0 the model writes past 400 tokens for this prompt; the Anthropic and
 # Responses APIs have no logit_bias to ban EOS with, so the prompt keeps the stream going.
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
-NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: the answer runs to max_tokens
 STREAMS = {
     "chat": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": STORY, "max_tokens": 400,
                                       "temperature": 0, "stream": True, "logit_bias": NO_EOS}),

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, REPO, Server, served
+from tests.conftest import MODEL_NAME, NO_EOS, REPO, Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +166,7 @@ def test_limits_give_4xx_in_each_apis_shape(guarded: Server):
 
 def test_a_key_gets_one_running_one_queued_and_429_beyond(guarded: Server):
     body = {"model": MODEL_NAME, "max_tokens": 200, "stream": True, "temperature": 0,
-            "logit_bias": {"2": -100},  # no EOS: the stream outlasts the test
+            "logit_bias": NO_EOS,  # the stream outlasts the test
             "messages": [{"role": "user", "content": "Count to a thousand."}]}
     headers = {"Authorization": f"Bearer {KEY_A}"}
     first_chunk = threading.Event()
