@@ -187,18 +187,24 @@ def test_stopped_engine_refuses_new_requests(loaded_model):
         asyncio.run(main())
 
 
-def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_path, monkeypatch):
-    """The prompt's KV blocks are copied out after each prefill chunk, at most a chunk's
-    worth a step, never all in one step after it (one step copying a 25K-token prompt
-    stalled decoding on a GPU); each block once, and a repeat restores them exactly."""
+def memory_cache(loaded_model, root, *, memory_bytes: int, block_tokens: int):
+    """Returns a KVStore with a memory tier only, under `root`, and a ModelCache of the
+    test model on it."""
     from appliance.cache.kv import probe_layout
     from appliance.cache.model_cache import ModelCache
     from appliance.cache.store import KVStore
 
+    store = KVStore(root=root / "kv", memory_bytes=memory_bytes, host_bytes=0, ssd_bytes=0)
+    return store, ModelCache(store, weights="cd" * 32, compute_dtype="float32",
+                             layout=probe_layout(loaded_model.model), block_tokens=block_tokens)
+
+
+def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_path, monkeypatch):
+    """The prompt's KV blocks are copied out after each prefill chunk, at most a chunk's
+    worth a step, never all in one step after it (one step copying a 25K-token prompt
+    stalled decoding on a GPU); each block once, and a repeat restores them exactly."""
     block, chunk = 16, 64
-    store = KVStore(root=tmp_path / "kv", memory_bytes=256 << 20, host_bytes=0, ssd_bytes=0)
-    cache = ModelCache(store, weights="cd" * 32, compute_dtype="float32",
-                       layout=probe_layout(loaded_model.model), block_tokens=block)
+    store, cache = memory_cache(loaded_model, tmp_path, memory_bytes=256 << 20, block_tokens=block)
     saves, seen = [], {}
     real = cache.save_all
 
@@ -240,14 +246,9 @@ def test_an_idle_engine_pins_host_memory_only_after_a_quiet_spell(loaded_model, 
     """Pinning (the native KV path's host slots, made ahead of need) holds the engine up
     for tens of ms a slot: it waits for `PIN_QUIET_S` without steps or arrivals, so the
     gaps between one request and the next of a busy server stay free of it."""
-    from appliance.cache.kv import probe_layout
-    from appliance.cache.model_cache import ModelCache
-    from appliance.cache.store import KVStore
     from appliance.engine import engine as engine_module
 
-    store = KVStore(root=tmp_path / "kv", memory_bytes=64 << 20, host_bytes=0, ssd_bytes=0)
-    cache = ModelCache(store, weights="ef" * 32, compute_dtype="float32", layout=probe_layout(loaded_model.model),
-                       block_tokens=16)
+    store, cache = memory_cache(loaded_model, tmp_path, memory_bytes=64 << 20, block_tokens=16)
     pinned: list[float] = []  # when each slot was pinned (no CUDA here: the pool is injected)
     monkeypatch.setattr(store, "wants_pinned", lambda: len(pinned) < 3)
     monkeypatch.setattr(store, "pin_one", lambda: pinned.append(time.monotonic()))
