@@ -6,7 +6,8 @@
 # .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
-#                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept
+#                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
+#                                  # change
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -70,6 +71,11 @@ case ",$STEPS," in *,batch,*)  # item 5: one wave of N short prompts, omlx's eng
   step python3 bench/batch_steps.py --shape 8b --n 8,32 --tokenizer .gpu/tok --out "$OUT/batch_steps.json" \
     --paths "${BATCH_PATHS:-batch_generator,engine,engine_cache,engine_cache_nowrite,engine_stagger}" ${BATCH_ARGS:-} 2>&1 \
     | grep -v '"phases"' | tail -60 ;; esac
+case ",$STEPS," in *,change,*)  # what a batch's change of rows costs, in process, from an empty kernel cache
+  # (CHANGE_ARGS: e.g. "--rows 8" without --warm-up, to see the kernels the warm-up compiles)
+  rm -rf /tmp/omlx-change-tmp && mkdir -p /tmp/omlx-change-tmp
+  TMPDIR=/tmp/omlx-change-tmp step python3 bench/batch_change.py --shape 8b --tokenizer .gpu/tok \
+    ${CHANGE_ARGS:---rows 8,32 --warm-up} --out "$OUT/batch_change.json" 2>&1 | cut -c1-600 | tail -10 ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
     | tail -150 ;; esac
