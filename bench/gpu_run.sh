@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change
+#                                  # change,graphs
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -76,6 +76,15 @@ case ",$STEPS," in *,change,*)  # what a batch's change of rows costs, in proces
   rm -rf /tmp/omlx-change-tmp && mkdir -p /tmp/omlx-change-tmp
   TMPDIR=/tmp/omlx-change-tmp step python3 bench/batch_change.py --shape 8b --tokenizer .gpu/tok \
     ${CHANGE_ARGS:---rows 8,32 --warm-up} --out "$OUT/batch_change.json" 2>&1 | cut -c1-600 | tail -10 ;; esac
+case ",$STEPS," in *,graphs,*)  # the same decode pass at two speeds (8-10 or 14-18 ms at 8 rows on an H100):
+  # batch_change with MLX's CUDA graphs off, then on, the GPU's clocks, power and throttle reasons sampled each second
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -l 1 > "$OUT/clocks.csv" & smi=$!
+  for graphs in 0 1; do
+    MLX_USE_CUDA_GRAPHS=$graphs step python3 bench/batch_change.py --shape 8b --tokenizer .gpu/tok --rows 8,32 \
+      --out "$OUT/batch_change-graphs$graphs.json" 2>&1 | cut -c1-400 | tail -8
+  done
+  kill $smi ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
     | tail -150 ;; esac
