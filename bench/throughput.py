@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import signal
 import sys
@@ -677,20 +676,18 @@ def main(argv: list[str] | None = None) -> int:
         record["duration_s"] = round(time.time() - started, 1)
         write_json(out, record)
 
-    with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
                                dtype=dtype, batching=tuple(args.omlx_batching),
                                cache=tuple(args.omlx_cache))]
         if not args.omlx_only:
             servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
-        for server in servers:
-            stack.enter_context(server)
         record["servers"] = {s.name: s.argv for s in servers}
         record["omlx_config"] = (Path(tmp) / "omlx.toml").read_text()
         record["log_tails"] = {}
         for group in [[s] for s in servers] if args.one_at_a_time else [servers]:
-            try:
+            try:  # each group's servers stop here, whatever happens, before the next group starts
                 for server in group:
                     log(f"starting {server.name}: {' '.join(server.argv)}")
                     server.start()
