@@ -141,15 +141,16 @@ def summary(steps: list[dict]) -> dict:
             continue
         (changed if now != rows_of else steady).append(s)
 
-    def med(items: list[dict], key: str) -> float | None:
-        return round(statistics.median(s[key] for s in items), 2) if items else None
+    keys = ("pass_ms", "drain_ms", "build_ms", "change_ms")
 
-    compiled = [(s["step"], s["rows"], s["step_ms"], len(s["new_kernels"]), s["new_kernels"][:4])
-                for s in steps if s["new_kernels"]]
-    return {"compiled": compiled, **{kind: {"passes": len(items), **{k: med(items, k) for k in ("pass_ms", "drain_ms", "build_ms", "change_ms")},
-                   "each": [(s["step"], s["rows"], s["pass_ms"], s["drain_ms"], s["build_ms"], s["change_ms"])
-                            for s in items][:12] if kind == "changed" else None}
-            for kind, items in (("changed", changed), ("steady", steady))}}
+    def medians(items: list[dict]) -> dict:
+        return {"passes": len(items),
+                **{k: round(statistics.median(s[k] for s in items), 2) if items else None for k in keys}}
+
+    return {"compiled": [(s["step"], s["rows"], s["step_ms"], len(s["new_kernels"]), s["new_kernels"][:4])
+                         for s in steps if s["new_kernels"]],
+            "changed": {**medians(changed), "each": [(s["step"], s["rows"], *(s[k] for k in keys)) for s in changed[:12]]},
+            "steady": {**medians(steady), "each": None}}
 
 
 def main() -> int:
