@@ -319,8 +319,11 @@ class Scheduler:
             return []
         for p in starting:
             self._prefills.remove(p)
-        parts = []
-        for sub in split_by_length(starting, self._pass_tokens(), self.shape_tokens, self._grouped):
+        # Prompts `advance()` prefilled to their last token need no call: padded into one,
+        # a row of nothing but padding would cost its whole length.
+        parts = [p.batch for p in starting if not p.todo]
+        for sub in split_by_length([p for p in starting if p.todo], self._pass_tokens(), self.shape_tokens,
+                                   self._grouped):
             for group in self._calls(sub):
                 part = extend_first([p.batch for p in group])
                 todo = [p.remaining[:-1] for p in group]

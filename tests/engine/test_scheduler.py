@@ -354,6 +354,35 @@ def test_cut_chunks_keep_to_whole_shapes_and_the_last_one_is_padded(loaded_model
     assert sizes and all(n % 64 == 0 for n in sizes)  # 192 each: whole shapes under the 200 budget
 
 
+def test_a_prompt_advanced_to_its_last_token_starts_without_a_call(loaded_model):
+    """Under load a short prompt can be chunked, and a cut chunk keeps to whole shapes:
+    one chunk takes all of it. It then starts beside the prompts waiting with it, but in
+    no call of theirs (a row of nothing but padding), and decodes what it decodes alone."""
+    def run(with_others: bool) -> tuple[list[int], list[tuple]]:
+        s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=1e-6, shape_tokens=256)
+        s._start_s_per_token = 1.0  # measured slow: a timed chunk is the smallest, so 199 tokens are chunked
+        s._pass_s, s._fastest_start_s_per_token = 1e9, 1.0  # calls cost most: the split would group them all
+        uid = s.insert(tokens(200), max_tokens=3, cache=None, cached_tokens=[], sampler=GREEDY, processors=[],
+                       stop=StopSequences())
+        s.step()
+        s.advance()
+        assert s._prefills[0].todo == 0  # one chunk of whole shapes took it all
+        if with_others:
+            for seed in range(1, 4):
+                insert(s, tokens(40, seed))
+        out, starts = [], []
+        while len(s):
+            _, generated = s.step()
+            starts += [call[:3] for call in s.last_calls if call[0] == "start"]
+            out += [g.token for g in generated if g.uid == uid]
+        return out, starts
+
+    alone, starts = run(with_others=False)
+    assert starts == []
+    beside, starts = run(with_others=True)
+    assert sum(rows for _, rows, _ in starts) == 3 and beside == alone
+
+
 def test_row_groups_are_powers_of_two_largest_first():
     assert row_groups(list(range(7))) == [[0, 1, 2, 3], [4, 5], [6]]
     assert row_groups(list(range(8))) == [list(range(8))]
