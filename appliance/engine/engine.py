@@ -27,7 +27,7 @@ from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
 from appliance.engine.slot import Slot
 from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
-from appliance.engine.warm_up import warm_up
+from appliance.engine.warm_up import described, warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
 from appliance.platform import device_kind
@@ -275,7 +275,7 @@ class Engine:
         real one. Their KV is not saved."""
         started = time.perf_counter()
         try:
-            warm_up(self.loaded, self._scheduler, self.limits)
+            parts = warm_up(self.loaded, self._scheduler, self.limits)
         except Exception as e:
             log.exception("warm-up failed on model %s", self.loaded.name)
             self.warm_up_error = str(e)
@@ -284,7 +284,7 @@ class Engine:
             self._warm.set()
             return False
         self.warm_up_s = time.perf_counter() - started
-        log.info("model %s warmed up in %.2f s", self.loaded.name, self.warm_up_s)
+        log.info("model %s warmed up in %.2f s (%s)", self.loaded.name, self.warm_up_s, described(parts))
         self._warm.set()
         return True
 

@@ -1,14 +1,21 @@
 """The warm-up: what a first chat request needs, run through a scheduler before a model
 counts as ready (template, tokenizer, a prefill, decode steps greedy and sampled, the
 detokenizer; on GPUs a prompt of two full prefill chunks, and a batch's changes: rows
-started together, joining, leaving). MLX compiles GPU kernels per shape and per kind of
-index, and MLX CUDA builds an attention graph per shape on each thread: a first request
-would pay for them otherwise."""
+started together, joining, leaving, a restored row starting beside a new one). MLX
+compiles GPU kernels per shape and per kind of index, and MLX CUDA builds an attention
+graph per shape on each thread: a first request would pay for them otherwise."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from appliance.cache.kv import KVBlock, build_batch_cache
+from appliance.cache.model_cache import Restored
 from appliance.engine.request import GenerationRequest, SamplingParams
-from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler import Generated, Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
 from appliance.platform import device_kind
@@ -20,45 +27,83 @@ WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.
 WARM_UP_TOKENS = 3
 
 
-def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> None:
+def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> dict[str, float]:
     """Runs the warm-up requests on `scheduler` (idle, on `loaded`'s model), one at a time;
-    their KV is not kept."""
+    their KV is not kept. Returns the seconds of each part that ran, for the log."""
+    parts = {}
+    started = time.perf_counter()
+
+    def part(name: str) -> None:
+        nonlocal started
+        now = time.perf_counter()
+        parts[name], started = round(now - started, 2), now
+
     prompt = tuple(loaded.encode_chat(list(WARM_UP_CHAT)))
     for sampling in WARM_UP_SAMPLING:
         run_alone(scheduler, Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), loaded))
+    part("chat")
     for n in gpu_warm_up_lengths(limits, loaded.context_tokens):  # long prompts' prefill shapes
         long = (prompt * (n // len(prompt) + 1))[:n]
         run_alone(scheduler, Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), loaded))
+        part("long prompt")
     if device_kind() == "gpu":
         run_batch_changes(scheduler, loaded, prompt)
+        part("batch changes")
+    return parts
 
 
 def run_batch_changes(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...]) -> list[list]:
     """Runs, on an idle scheduler, rows through each change a generation batch meets:
     two prompts of unlike lengths started in one call (padded), a third joining them a
-    step later (`extend`), rows finishing apart (`filter`), the last emptying it. Each
-    change indexes arrays of its own kinds (the rows' KV, their tokens and offsets), and
-    MLX CUDA compiles the kernel of each kind the first time a machine meets it: on an
-    H100 2.3-3.2 s each, which a machine's first requests paid in the middle of their
-    decoding (BENCHMARKS.md, "What a batch's change costs"). Returns each step's calls
-    (`Scheduler.last_calls`); nothing is kept."""
-    def insert(tokens: tuple[int, ...], max_tokens: int) -> int:
-        request = GenerationRequest(tokens, max_tokens, WARM_UP_SAMPLING[0])
-        return scheduler.insert(**Slot(request, loaded).insert_args())
+    step later (`extend`), rows finishing apart (`filter`), the last emptying it; then a
+    row restored from a tier starting in one call beside a new one (the restored KV
+    padded to theirs), both joining a row decoding. Each change indexes arrays of its own
+    kinds (the rows' KV, their tokens and offsets), and MLX CUDA compiles the kernel of
+    each kind the first time a machine meets it: on an H100 2.3-3.2 s each, which a
+    machine's first requests paid in the middle of their decoding (BENCHMARKS.md, "What
+    a batch's change costs"). Returns each step's calls (`Scheduler.last_calls`);
+    nothing is kept."""
+    steps: list[list] = []
+    finished: list[Generated] = []
 
-    running = {insert(prompt, 2), insert(prompt[:max(1, len(prompt) // 2)], WARM_UP_TOKENS + 2)}
-    steps = []
-    for step in range(8 * WARM_UP_TOKENS):  # bounded: each row ends by its max_tokens
-        _, generated = scheduler.step()
-        steps.append(list(scheduler.last_calls))
-        if step == 0:
-            running.add(insert(prompt[1:], WARM_UP_TOKENS))
-        running -= {r.uid for r in generated if r.finish_reason is not None}
-        if not running:
-            break
-    for uid in running:
-        scheduler.remove(uid, keep_cache=False)
+    def insert(tokens: tuple[int, ...], max_tokens: int, restored: Restored | None = None) -> int:
+        request = GenerationRequest(tokens, max_tokens, WARM_UP_SAMPLING[0])
+        return scheduler.insert(**Slot(request, loaded).insert_args(restored))
+
+    def run(running: set[int], joining: Callable[[], list[int]]) -> None:
+        """Steps until the `running` rows end, those `joining` returns inserted after the first."""
+        for step in range(8 * WARM_UP_TOKENS):  # bounded: each row ends by its max_tokens
+            _, generated = scheduler.step()
+            steps.append(list(scheduler.last_calls))
+            if step == 0:
+                running.update(joining())
+            ended = [r for r in generated if r.finish_reason is not None]
+            finished.extend(ended)
+            running -= {r.uid for r in ended}
+            if not running:
+                break
+        for uid in running:
+            scheduler.remove(uid, keep_cache=False)
+
+    half = prompt[:max(1, len(prompt) // 2)]
+    run({insert(prompt, 2), insert(half, WARM_UP_TOKENS + 2)}, lambda: [insert(prompt[1:], WARM_UP_TOKENS)])
+    kept = next((r for r in finished if r.cache and r.cache[0].keys is not None), None)
+    if kept is None:
+        return steps
+    restored = restored_from(kept)
+    tokens = (*kept.tokens[:restored.num_tokens], *half)
+    run({insert(prompt, WARM_UP_TOKENS + 2)},
+        lambda: [insert(tokens, WARM_UP_TOKENS, restored), insert(half, WARM_UP_TOKENS)])
     return steps
+
+
+def restored_from(row: Generated) -> Restored:
+    """Returns the KV a finished row held as a tier's restore hands it to the engine."""
+    n = row.cache[0].offset
+    block = KVBlock(key=b"", parent=b"", dir="", tokens=tuple(row.tokens[:n]),
+                    keys=mx.stack([c.keys[0, :, :n] for c in row.cache]),
+                    values=mx.stack([c.values[0, :, :n] for c in row.cache]))
+    return Restored(build_batch_cache([block], n), n, {})
 
 
 def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:
@@ -81,3 +126,8 @@ def run_alone(scheduler: Scheduler, slot: Slot) -> None:
             done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
         scheduler.advance()
     scheduler.remove(uid, keep_cache=False)
+
+
+def described(parts: dict[str, float]) -> str:
+    """Returns the warm-up's parts and their seconds as a log line shows them."""
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())

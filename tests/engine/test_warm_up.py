@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler import Scheduler, padded_length
 from appliance.engine.warm_up import gpu_warm_up_lengths, run_batch_changes, warm_up
 from appliance.spec import BatchingSpec
 
@@ -35,8 +35,16 @@ def test_the_batch_changes_start_rows_together_join_and_leave(loaded_model, as_o
         scheduler = Scheduler.for_device(loaded_model.model, BatchingSpec(prefill_chunk_tokens=64))
     prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Say hello."}]))
     steps = run_batch_changes(scheduler, loaded_model, prompt)
-    passes = [c[1] for calls in steps for c in calls if c[0] == "pass"]
-    assert [c[1] for c in steps[0] if c[0] == "start"] == [2]  # two unlike prompts, one call
+    starts = [[c[1:3] for c in calls if c[0] == "start"] for calls in steps]
+    assert [rows for rows, _ in starts[0]] == [2]  # two unlike prompts, one call
+    assert starts[1] == [(1, len(prompt) - 2)]  # the third, joining them
+    second = next(i for i, calls in enumerate(starts) if i > 1 and calls)  # the second part's first row
+    passes = [c[1] for calls in steps[:second] for c in calls if c[0] == "pass"]
     assert 3 in passes  # the third joined the two decoding
     assert passes.index(3) < len(passes) - 1 and passes[-1] < 3  # and rows left one by one
+    # A restored row and a new one, half the prompt each to compute, start in one call and
+    # join the row decoding.
+    half = len(prompt) // 2 - 1
+    assert starts[second + 1] == [(2, padded_length(half, scheduler.shape_tokens))]
+    assert 3 in [c[1] for calls in steps[second:] for c in calls if c[0] == "pass"]
     assert len(scheduler) == 0
