@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -209,6 +210,17 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
     path = cache_dir / "kernels" / f"mlx-{mx.__version__}"
     os.environ[KERNEL_CACHE_ENV] = str(path)
     return path
+
+
+def kernel_dir() -> Path | None:
+    """Returns where MLX CUDA keeps the kernels it compiles (`MLX_PTX_CACHE_DIR`, else MLX's
+    default, the temp dir's mlx/VERSION/ptx); None off CUDA."""
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        return None
+    named = os.environ.get(KERNEL_CACHE_ENV)
+    return Path(named) if named else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
 
 
 DEFAULT_MEMORY_FRACTION = 0.85  # of the device, when the spec sets no limit

@@ -48,3 +48,29 @@ def test_the_batch_changes_start_rows_together_join_and_leave(loaded_model, as_o
     assert starts[second + 1] == [(2, padded_length(half, scheduler.shape_tokens))]
     assert 3 in [c[1] for calls in steps[second:] for c in calls if c[0] == "pass"]
     assert len(scheduler) == 0
+
+
+def test_the_batch_changes_run_until_their_kernels_are_kept(loaded_model, tmp_path, monkeypatch):
+    """As on CUDA: the first warm-up runs the batch changes and marks them done among the
+    compiled kernels; a later one skips them, until the mark goes."""
+    from appliance.engine import warm_up as module
+
+    monkeypatch.setattr(module, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(module, "kernel_dir", lambda: tmp_path / "ptx")
+    limits = BatchingSpec(prefill_chunk_tokens=64)
+
+    def parts() -> dict[str, float]:
+        return warm_up(loaded_model, Scheduler.for_device(loaded_model.model, limits), limits)
+
+    assert "batch changes" in parts()
+    mark = module.batch_changes_mark(loaded_model.model)
+    assert mark.exists() and mark.parent == tmp_path / "ptx" and "float32" in mark.name
+    assert list(parts()) == ["chat", "long prompt"]
+    mark.unlink()  # the kernels gone with it, as a reboot empties /tmp
+    assert "batch changes" in parts()
+
+
+def test_off_cuda_there_is_no_mark(loaded_model):
+    from appliance.engine.warm_up import batch_changes_mark
+
+    assert batch_changes_mark(loaded_model.model) is None  # CPU here; Metal keeps no kernels either
