@@ -43,9 +43,9 @@ def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> 
         parts[name], started = round(now - started, 2), now
 
     prompt = tuple(loaded.encode_chat(list(WARM_UP_CHAT)))
-    for sampling in WARM_UP_SAMPLING:
+    for name, sampling in zip(("greedy chat", "sampled chat"), WARM_UP_SAMPLING):
         run_alone(scheduler, Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), loaded))
-    part("chat")
+        part(name)
     for n in gpu_warm_up_lengths(limits, loaded.context_tokens):  # long prompts' prefill shapes
         long = (prompt * (n // len(prompt) + 1))[:n]
         run_alone(scheduler, Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), loaded))

@@ -65,7 +65,7 @@ def test_the_batch_changes_run_until_their_kernels_are_kept(loaded_model, tmp_pa
     assert "batch changes" in parts()
     mark = module.batch_changes_mark(loaded_model.model)
     assert mark.exists() and mark.parent == tmp_path / "ptx" and "float32" in mark.name
-    assert list(parts()) == ["chat", "long prompt"]
+    assert list(parts()) == ["greedy chat", "sampled chat", "long prompt"]
     mark.unlink()  # the kernels gone with it, as a reboot empties /tmp
     assert "batch changes" in parts()
 
