@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from appliance.cache.kv import KVBlock, build_batch_cache
 from appliance.cache.model_cache import Restored
@@ -98,7 +99,9 @@ def run_batch_changes(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[i
 
     half = prompt[:max(1, len(prompt) // 2)]
     run({insert(prompt, 2), insert(half, WARM_UP_TOKENS + 2)}, lambda: [insert(prompt[1:], WARM_UP_TOKENS)])
-    kept = next((r for r in finished if r.cache and r.cache[0].keys is not None), None)
+    # Only plain KV is restored (a model of rotating or quantized caches bypasses the tiers).
+    kept = next((r for r in finished if r.cache and all(type(c) is KVCache and c.keys is not None
+                                                        for c in r.cache)), None)
     if kept is None:
         return steps
     restored = restored_from(kept)
