@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs
+#                                  # change,graphs,readyspy
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -100,6 +100,14 @@ case ",$STEPS," in *,ready,*)
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"
   ready --stand-in off --out "$OUT/ready-later-no-stand-in.json" ;; esac
+case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
+  # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
+  # ready-spy.txt --native --match warm_up_stand_in)
+  model 8b
+  step /tmp/site/bin/py-spy record --subprocesses --threads --idle --native -r 100 -f raw -o "$OUT/ready-spy.txt" \
+    -- python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
+    --out "$OUT/ready-spy.json" 2>&1 | grep -E '"(start_to_ready|model_load|stand_in_warm_up)_s"|warmed up'
+  python3 bench/spy_threads.py "$OUT/ready-spy.txt" --native --match warm_up_stand_in --top 20 2>&1 | tail -60 ;; esac
 case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive what a reboot does to /tmp
   model 8b
   rm -rf /tmp/omlx-kept
