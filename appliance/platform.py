@@ -3,6 +3,7 @@ dtype defaults."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
@@ -212,15 +213,21 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
     return path
 
 
+def default_kernel_dir() -> Path:
+    """Returns MLX CUDA's own default cache of the kernels it compiles: the temp dir's
+    mlx/VERSION/ptx (MLX's version read without importing it)."""
+    return Path(tempfile.gettempdir()) / "mlx" / importlib.metadata.version("mlx") / "ptx"
+
+
 def kernel_dir() -> Path | None:
-    """Returns where MLX CUDA keeps the kernels it compiles (`MLX_PTX_CACHE_DIR`, else MLX's
-    default, the temp dir's mlx/VERSION/ptx); None off CUDA."""
+    """Returns where MLX CUDA keeps the kernels it compiles (`MLX_PTX_CACHE_DIR`, else
+    `default_kernel_dir`); None off CUDA."""
     import mlx.core as mx
 
     if not mx.cuda.is_available():
         return None
     named = os.environ.get(KERNEL_CACHE_ENV)
-    return Path(named) if named else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    return Path(named) if named else default_kernel_dir()
 
 
 DEFAULT_MEMORY_FRACTION = 0.85  # of the device, when the spec sets no limit

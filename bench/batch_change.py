@@ -14,8 +14,8 @@ right where it happens (timed), and times the host's building of each pass's gra
 (the model call), so that the pass after a change splits into the work of the change,
 the graph, and the device. Each mode runs the script twice: shapes the first met are
 warm in the second. Each step also lists the kernels MLX compiled in it (the files it
-added to its kernel cache, `bench.common.mlx_kernel_dir()`; run with a fresh TMPDIR to
-start from an empty cache, as a machine's first run does).
+added to its kernel cache, `appliance.platform.default_kernel_dir()`; run with a fresh
+TMPDIR to start from an empty cache, as a machine's first run does).
 
     TMPDIR=$(mktemp -d) python bench/batch_change.py --shape 8b --tokenizer .gpu/tok --out OUT.json  # GPU
     .venv/bin/python bench/batch_change.py --shape tiny --rows 4 --out /tmp/bc.json  # CPU dry run
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.common import mlx_kernel_dir  # noqa: E402
+from appliance.platform import default_kernel_dir  # noqa: E402
 from bench.prefill_paths import generated_model, loaded_model, log, prompt_of  # noqa: E402
 
 JOINS = {12: 1, 24: 4, 48: 1}  # step -> prompts that start then
@@ -87,7 +87,7 @@ class Split:
 
 def kernel_files() -> list[str]:
     """Returns the names of the files in MLX's kernel cache (none on a CPU)."""
-    root = mlx_kernel_dir()
+    root = default_kernel_dir()
     return [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
 
 

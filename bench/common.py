@@ -8,7 +8,6 @@ server harness: the tests' `start_server` (tests/conftest.py) starts theirs with
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import math
 import os
 import platform
@@ -16,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +24,7 @@ import httpx
 import orjson
 
 from appliance.engine.step_trace import ENV as STEP_TRACE_ENV
-from appliance.platform import KERNEL_CACHE_ENV, openblas_env, openblas_path
+from appliance.platform import KERNEL_CACHE_ENV, default_kernel_dir, openblas_env, openblas_path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "bench" / "out"
@@ -46,19 +44,15 @@ def free_port() -> int:
 def server_env() -> dict[str, str]:
     """Returns a clean environment for a server: OpenBLAS preloaded, no stray OMLX_ overrides
     (the step trace's path passes: appliance/engine/step_trace.py), and MLX's compiled
-    kernels where this machine's other MLX processes keep them (`mlx_kernel_dir`)."""
+    kernels where this machine's other MLX processes keep them: MLX's own default
+    (`default_kernel_dir`). A server keeps them in its cache dir otherwise
+    (appliance.platform.keep_compiled_kernels), a fresh one for each benchmark: each would
+    compile them again, where a user's later start finds them; the benchmarks' servers and
+    in-process paths share one cache as before."""
     env = openblas_env({k: v for k, v in os.environ.items() if not k.startswith("OMLX_") or k == STEP_TRACE_ENV})
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault(KERNEL_CACHE_ENV, str(mlx_kernel_dir()))
+    env.setdefault(KERNEL_CACHE_ENV, str(default_kernel_dir()))
     return env
-
-
-def mlx_kernel_dir() -> Path:
-    """Returns MLX's own default cache of compiled kernels (/tmp/mlx/VERSION/ptx). A server
-    keeps them in its cache dir otherwise (appliance.platform.keep_compiled_kernels), a
-    fresh one for each benchmark: each would compile them again, where a user's later start
-    finds them; the benchmarks' servers and in-process paths share one cache as before."""
-    return Path(tempfile.gettempdir()) / "mlx" / importlib.metadata.version("mlx") / "ptx"
 
 
 @dataclass
