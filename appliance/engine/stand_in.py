@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream
 
 from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
-from appliance.engine.warm_up import described, warm_up
+from appliance.engine.warm_up import Laps, described, warm_up
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
 from appliance.models.memory import room_beside
 from appliance.spec import BatchingSpec, ModelSpec
@@ -78,18 +78,19 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
     The stand-in must fit beside the whole model (its weights with the load's headroom)
     in what MLX may still allocate: a model that only just fits loads as it did without."""
     started = time.perf_counter()
+    laps = Laps()
     try:
         stand_in = load_stand_in(spec, path, dtype, room_bytes=room_beside(path))
         if stand_in is None:
             log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False
-        parts = {"stand-in load": round(time.perf_counter() - started, 2)}
+        laps.lap("stand-in load")
         with mx.stream(generation_stream):
             layout = probe_layout(stand_in.model)
         if layout is not None and on_layout is not None:
             on_layout(layout)
-        parts["layout"] = round(time.perf_counter() - started - parts["stand-in load"], 2)
-        parts.update(warm_up(stand_in, Scheduler.for_device(stand_in.model, limits), limits))
+        laps.lap("layout")
+        laps.seconds.update(warm_up(stand_in, Scheduler.for_device(stand_in.model, limits), limits))
     except Exception:
         log.warning("model %s: the warm-up beside its load failed; its shapes warm up after the load",
                     spec.name, exc_info=True)
@@ -99,5 +100,5 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
         gc.collect()
         mx.clear_cache()  # the stand-in's buffers go back to the device for the model's
     log.info("model %s: warmed up beside its load, on a %d-layer stand-in, in %.2f s (%s)",
-             spec.name, LAYERS, time.perf_counter() - started, described(parts))
+             spec.name, LAYERS, time.perf_counter() - started, described(laps.seconds))
     return True

@@ -35,33 +35,39 @@ BATCH_CHANGES_VERSION = 2  # one more with each change that `run_batch_changes` 
 def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> dict[str, float]:
     """Runs the warm-up requests on `scheduler` (idle, on `loaded`'s model), one at a time;
     their KV is not kept. Returns the seconds of each part that ran, for the log."""
-    parts = {}
-    started = time.perf_counter()
-
-    def part(name: str) -> None:
-        nonlocal started
-        now = time.perf_counter()
-        parts[name], started = round(now - started, 2), now
-
+    laps = Laps()
     prompt = tuple(loaded.encode_chat(list(WARM_UP_CHAT)))
     for name, sampling in zip(("greedy chat", "sampled chat"), WARM_UP_SAMPLING):
         run_alone(scheduler, Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), loaded))
-        part(name)
+        laps.lap(name)
     for n in gpu_warm_up_lengths(limits, loaded.context_tokens):  # long prompts' prefill shapes
         long = (prompt * (n // len(prompt) + 1))[:n]
         run_alone(scheduler, Slot(GenerationRequest(long, WARM_UP_TOKENS, WARM_UP_SAMPLING[0]), loaded))
-        part("long prompt")
+        laps.lap("long prompt")
     mark = batch_changes_mark(loaded.model)
     if device_kind() == "gpu" and not (mark and mark.exists()):
         run_batch_changes(scheduler, loaded, prompt)
-        part("batch changes")
+        laps.lap("batch changes")
         if mark:
             try:
                 mark.parent.mkdir(parents=True, exist_ok=True)
                 mark.touch()
             except OSError:
                 pass  # they run again at the next start
-    return parts
+    return laps.seconds
+
+
+class Laps:
+    """The seconds of named parts of some work, each from the end of the one before (the
+    first from the Laps' making)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._since = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self._since = round(now - self._since, 2), now
 
 
 def run_batch_changes(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...]) -> list[list]:
