@@ -142,7 +142,6 @@ class Appliance:
         spec = config.spec
         cache_dir = spec.cache.path(config.base_dir)
         thread = EngineThread(f"engine-{entry.spec.name}")
-        weights_loaded = threading.Event()  # the stand-in beside the load stops at its next step
 
         def expect(layout: KVLayout | None) -> None:  # its native KV kernels compile beside the warm-up
             if store is not None and layout is not None:
@@ -151,12 +150,11 @@ class Appliance:
         def beside(path: Path, dtype: str | None) -> None:
             if stand_in_wanted(spec.batching.warm_up_beside_load):
                 thread.submit(functools.partial(warm_up_stand_in, entry.spec, path, dtype, spec.batching,
-                                                on_layout=expect, loaded=weights_loaded))
+                                                on_layout=expect))
 
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
-            weights_loaded.set()
             layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
             expect(layout)
             engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher, thread=thread)
@@ -168,8 +166,7 @@ class Appliance:
                 log.warning("model %s: its native KV kernels are still compiling", entry.spec.name)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
-            weights_loaded.set()
-            thread.close()  # a warm-up beside the load ends at its next step
+            thread.close()  # a warm-up beside the load ends with its job
             log.error("model %s failed to load: %s", entry.spec.name, e)
             entry.state, entry.error = "failed", str(e)
         entry.ready.set()

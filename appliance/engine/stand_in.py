@@ -8,17 +8,13 @@ start, of which 5.5 s were the load. A stand-in with the model's config but one 
 meets the same kernels and the same attention shapes (heads, head dims, dtype, the
 buffers' strides), with the model's own embeddings, head and first layer read lazily
 from the same files, so the compiling happens while the weights stream in and the
-model's own warm-up finds it done. Once the model has loaded, the stand-in has nothing
-left to win: it stops at its next step and the model's own warm-up does what is left
-(a later start, its kernels kept, spent 2.0-2.4 s past the load finishing the stand-in's
-chats).
+model's own warm-up finds it done.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,58 +68,29 @@ def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
                        load_s=time.perf_counter() - started)
 
 
-class LoadEnded(Exception):
-    """The model loaded before its stand-in's warm-up ended."""
-
-
-class UntilLoaded:
-    """The stand-in's scheduler: each step first checks `loaded` and, once it is set,
-    raises LoadEnded instead of stepping."""
-
-    def __init__(self, scheduler: Scheduler, loaded: threading.Event):
-        self._scheduler, self._loaded = scheduler, loaded
-
-    def step(self):
-        if self._loaded.is_set():
-            raise LoadEnded
-        return self._scheduler.step()
-
-    def __getattr__(self, name: str):
-        return getattr(self._scheduler, name)
-
-
 def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: BatchingSpec, *,
-                     on_layout: Callable[[KVLayout], None] | None = None,
-                     loaded: threading.Event | None = None) -> bool:
+                     on_layout: Callable[[KVLayout], None] | None = None) -> bool:
     """Runs the warm-up (warm_up.py) on a stand-in of the model at `path`, on the calling
     thread, which must be the engine's; hands the stand-in's KV layout (the model's) to
-    `on_layout` first, so that the cache's kernels compile beside it. Stops at its next
-    step once `loaded` (the model's load ended) is set. Returns whether it ran to its
-    end: a failure is logged, never raised, since the model's own warm-up follows.
+    `on_layout` first, so that the cache's kernels compile beside it. Returns whether it
+    ran: a failure is logged, never raised, since the model's own warm-up follows.
 
     The stand-in must fit beside the whole model (its weights with the load's headroom)
     in what MLX may still allocate: a model that only just fits loads as it did without."""
     started = time.perf_counter()
     laps = Laps()
-    loaded = loaded or threading.Event()
-    stopped = ""
     try:
         stand_in = load_stand_in(spec, path, dtype, room_bytes=room_beside(path))
         if stand_in is None:
             log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False
         laps.lap("stand-in load")
-        if loaded.is_set():
-            raise LoadEnded
         with mx.stream(generation_stream):
             layout = probe_layout(stand_in.model)
         if layout is not None and on_layout is not None:
             on_layout(layout)
         laps.lap("layout")
-        warm_up(stand_in, UntilLoaded(Scheduler.for_device(stand_in.model, limits), loaded), limits, laps=laps)
-    except LoadEnded:
-        laps.lap("stopped")
-        stopped = ", stopped as the model's load ended"
+        laps.seconds.update(warm_up(stand_in, Scheduler.for_device(stand_in.model, limits), limits))
     except Exception:
         log.warning("model %s: the warm-up beside its load failed; its shapes warm up after the load",
                     spec.name, exc_info=True)
@@ -132,6 +99,6 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
         stand_in = None
         gc.collect()
         mx.clear_cache()  # the stand-in's buffers go back to the device for the model's
-    log.info("model %s: warmed up beside its load, on a %d-layer stand-in, in %.2f s%s (%s)",
-             spec.name, LAYERS, time.perf_counter() - started, stopped, described(laps.seconds))
-    return not stopped
+    log.info("model %s: warmed up beside its load, on a %d-layer stand-in, in %.2f s (%s)",
+             spec.name, LAYERS, time.perf_counter() - started, described(laps.seconds))
+    return True

@@ -32,12 +32,10 @@ WARM_UP_TOKENS = 3
 BATCH_CHANGES_VERSION = 2  # one more with each change that `run_batch_changes` makes
 
 
-def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec, *,
-            laps: Laps | None = None) -> dict[str, float]:
+def warm_up(loaded: LoadedModel, scheduler: Scheduler, limits: BatchingSpec) -> dict[str, float]:
     """Runs the warm-up requests on `scheduler` (idle, on `loaded`'s model), one at a time;
-    their KV is not kept. Returns the seconds of each part that ran, for the log, timed
-    by `laps` (default: from this call) as each part ends."""
-    laps = Laps() if laps is None else laps
+    their KV is not kept. Returns the seconds of each part that ran, for the log."""
+    laps = Laps()
     prompt = tuple(loaded.encode_chat(list(WARM_UP_CHAT)))
     for name, sampling in zip(("greedy chat", "sampled chat"), WARM_UP_SAMPLING):
         run_alone(scheduler, Slot(GenerationRequest(prompt, WARM_UP_TOKENS, sampling), loaded))

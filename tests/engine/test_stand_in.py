@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from dataclasses import replace
 
 import mlx.core as mx
@@ -41,19 +40,6 @@ def test_the_stand_in_warms_up_and_hands_over_the_model_s_layout(loaded_model, c
     assert ran
     assert layouts == [replace(probe_layout(loaded_model.model), num_layers=1)]
     assert "warmed up beside its load" in caplog.text
-
-
-def test_the_stand_in_stops_at_its_next_step_once_the_model_has_loaded(loaded_model, caplog):
-    loaded = threading.Event()  # set as the layout is handed over: before the warm-up's first step
-    with caplog.at_level(logging.INFO, logger="omlx.engine"):
-        ran = warm_up_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype,
-                               BatchingSpec(prefill_chunk_tokens=64), on_layout=lambda _: loaded.set(), loaded=loaded)
-    assert not ran
-    line = next(r.getMessage() for r in caplog.records if "beside its load" in r.getMessage())
-    assert "stopped as the model's load ended" in line
-    parts = line.rsplit("(", 1)[1]
-    assert parts.startswith("stand-in load ") and ", layout " in parts and ", stopped " in parts
-    assert "chat" not in parts
 
 
 def test_an_architecture_that_does_not_cut_gets_no_stand_in(tmp_path, loaded_model):
