@@ -1,6 +1,7 @@
 """The CUDA driver API (libcuda, which every machine with an NVIDIA driver has), through
-ctypes: what MLX does not expose. Pinned host memory (kernels/pinned.py) and the device's
-free memory (`device_memory`), which counts what other processes hold too.
+ctypes: what MLX does not expose. Pinned host memory (kernels/pinned.py), the device's
+free memory (`device_memory`), which counts what other processes hold too, and its
+compute capability (which GPU architecture NVRTC compiles for).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import threading
 from functools import cache
+
+_COMPUTE_CAPABILITY_MAJOR, _COMPUTE_CAPABILITY_MINOR = 75, 76  # CUdevice_attribute
 
 
 class CudaError(RuntimeError):
@@ -55,6 +58,17 @@ class CurrentContext:
 
     def __exit__(self, *exc):
         driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+@cache
+def compute_capability() -> tuple[int, int]:
+    """Returns device 0's compute capability, (9, 0) on an H100 or H200. Raises CudaError."""
+    lib = driver()
+    device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    check(lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    check(lib.cuDeviceGetAttribute(ctypes.byref(major), _COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute")
+    check(lib.cuDeviceGetAttribute(ctypes.byref(minor), _COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute")
+    return major.value, minor.value
 
 
 def device_memory() -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """Moving KV blocks between the device and pinned host memory, natively on CUDA.
 
-Two kernels, sources in kernels/cuda/, loaded through `mx.fast.cuda_kernel`:
+Two kernels, sources in kernels/cuda/, compiled by NVRTC once per machine (kernels/cubins.py,
+kept beside MLX's own compiled kernels) and run through `mx.fast.precompiled_cuda_kernel`:
 
 - `to_host` (kv_to_host.cu), gather to host: copies blocks' payloads, made on the
   device by kernels/kv_quant.py's `pack` (quantized there at 8 or 4 bits), into pinned
@@ -25,18 +26,57 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from appliance.kernels import cubins
+from appliance.kernels.cuda_driver import compute_capability
 from appliance.kernels.kv_quant import pack, payload_nbytes, values_offset
+from appliance.platform import kernel_dir
 
 SOURCES = Path(__file__).resolve().parent / "cuda"
 THREADS = 256
 MAX_THREADS = 132 * 2048  # an H200's resident threads; the kernels loop over the rest
+DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "float"}  # MLX dtype -> type in prelude.cuh
+MAX_SCALAR = 2**31 - 1  # the kernels' sizes are int scalars
 
 
 @cache
-def _kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...]):
-    source = (SOURCES / f"{name}.cu").read_text()
-    return mx.fast.cuda_kernel(name=f"omlx_{name}", input_names=list(inputs), output_names=list(outputs),
-                               source=source)
+def _arch() -> str:
+    """The GPU's architecture as NVRTC names it (sm_90 on an H100 or H200)."""
+    major, minor = compute_capability()
+    return f"sm_{major}{minor}"
+
+
+def source(file: str, instance: str = "") -> str:
+    """Returns what NVRTC compiles for kernels/cuda/FILE.cu: prelude.cuh, the file, then
+    `instance` (the extern "C" kernel of a template's instance)."""
+    return "\n".join(((SOURCES / "prelude.cuh").read_text(), (SOURCES / f"{file}.cu").read_text(), instance))
+
+
+@cache
+def _cubin(file: str, kernel: str, instance: str = "") -> bytes:
+    """Returns the cubin of `kernel` in kernels/cuda/FILE.cu, compiled once per machine
+    (kernels/cubins.py)."""
+    return cubins.cubin(source(file, instance), name=kernel, arch=_arch(), directory=_directory())
+
+
+def _directory() -> Path | None:
+    """Where compiled kernels are kept: beside MLX's own (platform.kernel_dir)."""
+    mlx_kernels = kernel_dir()
+    return mlx_kernels / "omlx" if mlx_kernels is not None else None
+
+
+def to_block_kernel(dtype: str, dim: int, bits: int, group: int) -> tuple[str, str]:
+    """Returns (kernel name, the extern "C" kernel that instantiates kv_to_block.cu's
+    template) for one layout."""
+    t = DTYPES[dtype]
+    name = f"omlx_kv_to_block_{t}_{dim}_{bits}_{group}"
+    return name, (f'extern "C" __global__ void {name}(const u64* addr, {t}* out, int rows) '
+                  f"{{ kv_to_block<{t}, {dim}, {bits}, {group}>(addr, out, rows); }}\n")
+
+
+def _scalar(n: int, what: str) -> int:
+    if n > MAX_SCALAR:
+        raise ValueError(f"{what} of {n} is beyond the native kernels' int range")
+    return n
 
 
 def _grid(work_items: int) -> tuple[int, int, int]:
@@ -46,9 +86,11 @@ def _grid(work_items: int) -> tuple[int, int, int]:
 def to_host(pairs: list[tuple[mx.array, int]]) -> None:
     """Copies each payload (uint8) to pinned host memory at its device address (16-byte
     aligned), and waits for all the copies (one wait)."""
-    kernel = _kernel("kv_to_host", ("payload", "addr"), ("done",))
-    done = [kernel(inputs=[payload, mx.array([address], dtype=mx.uint64)], grid=_grid(payload.size // 16),
-                   threadgroup=(THREADS, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint8])[0]
+    cubin = _cubin("kv_to_host", "omlx_kv_to_host")
+    done = [mx.fast.precompiled_cuda_kernel(
+        name="omlx_kv_to_host", compiled_source=cubin, inputs=[payload, mx.array([address], dtype=mx.uint64)],
+        scalars=[_scalar(payload.size, "a payload's bytes")], grid=_grid(payload.size // 16),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint8], ensure_row_contiguous=True)[0]
             for payload, address in pairs]
     mx.eval(done)
 
@@ -68,7 +110,6 @@ def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, 
     aligned) described by `meta`, in the dtype they were computed in. With `wait` false they
     are not evaluated yet: the caller evaluates them (several blocks in one wait) and keeps
     the host memory until then."""
-    kernel = _kernel("kv_to_block", ("addr", "rows"), ("out",))
     dtype = getattr(mx, meta["dtype"])
     bits = meta.get("bits", 16)
     offsets = (0, values_offset(meta))
@@ -79,9 +120,10 @@ def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, 
         for n in lead:
             rows *= n
         group = meta["group_sizes"][i] if bits != 16 else 1
-        out.append(kernel(
-            inputs=[mx.array([address + offset], dtype=mx.uint64), mx.array([rows], dtype=mx.int64)],
-            template=[("T", dtype), ("D", dim), ("BITS", bits), ("GROUP", group)],
+        name, instance = to_block_kernel(meta["dtype"], dim, bits, group)
+        out.append(mx.fast.precompiled_cuda_kernel(
+            name=name, compiled_source=_cubin("kv_to_block", name, instance),
+            inputs=[mx.array([address + offset], dtype=mx.uint64)], scalars=[_scalar(rows, "a region's rows")],
             grid=_grid(rows * dim * dtype.size // 16), threadgroup=(THREADS, 1, 1),
             output_shapes=[tuple(shape)], output_dtypes=[dtype])[0])
     if wait:
@@ -91,6 +133,8 @@ def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, 
 
 def unsupported(meta: dict) -> str | None:
     """Returns why the native kernels cannot move blocks of this meta, or None when they can."""
+    if meta["dtype"] not in DTYPES:
+        return f"no native kernel for {meta['dtype']} blocks"
     dtype = getattr(mx, meta["dtype"])
     vec = 16 // dtype.size
     for i, shape in enumerate((meta["k_shape"], meta["v_shape"])):
@@ -145,10 +189,10 @@ _warming = threading.Lock()  # one compile at a time: a second caller finds the 
 def warm(*, dtype: str, k_dim: int, v_dim: int, bits: tuple[int, ...]) -> str | None:
     """Compiles (and checks, as `self_test` does) the kernels for blocks of this dtype and
     these head dimensions at each of `bits`, once per process; returns what went wrong, or
-    None. MLX compiles a CUDA kernel per template instance on its first call, and
-    `to_block`'s depend on the dtype, head dimension and bits: left to a model's first
-    restore, the compile added ~2.2 s to it on an H200. Run it off the engine thread, on a
-    stream of its own."""
+    None. `to_block` has a kernel instance per dtype, head dimension and bits, compiled by
+    NVRTC on a machine's first use (kept on disk for the next process) and loaded once per
+    process: left to a model's first restore, compiling added ~2.2 s to it on an H200. Run it
+    off the engine thread, on a stream of its own."""
     with _warming:
         todo = tuple(b for b in bits if (dtype, k_dim, v_dim, b) not in _warmed)
         if not todo:

@@ -5,9 +5,11 @@
 the generic one; `native` where the backend has none is refused when the spec is
 validated. CUDA has native versions of both kernels (kernels/kv_move.py, sources in
 kernels/cuda/); Metal and CPUs run the generic paths (a Metal version comes with a Mac to
-test it on). The self-test compiles and checks the native kernels against the generic
-path once per process, on a thread and stream of its own (`SELF_TEST.start`), so it never
-delays readiness; until it passes, the generic paths run.
+test it on). The self-test checks the native kernels against the generic path once per
+process, on a thread and stream of its own (`SELF_TEST.start`), so it never delays
+readiness; until it passes, the generic paths run. The kernels are compiled by NVRTC once
+per machine (kernels/cubins.py), not by MLX in each process: MLX holds the lock every
+kernel lookup takes while it compiles, which stalled the warm-up and the load.
 """
 
 from __future__ import annotations
