@@ -118,8 +118,9 @@ case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive wh
     --work /tmp/omlx-kept --kernels-in-cache-dir --out "$OUT/ready-kept-later.json" 2>&1 | tail -25 ;; esac
 case ",$STEPS," in *,restore,*)
   model 8b
+  # (RESTORE_ARGS: more arguments, e.g. "--ssd-kv-bits 4")
   step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes "${RESTORE_SIZES:-8K,25K}" --host \
-    --ssd-repeats 1 --out "$OUT/restore.json" 2>&1 | tail -45 ;; esac
+    --ssd-repeats 1 ${RESTORE_ARGS:-} --out "$OUT/restore.json" 2>&1 | tail -45 ;; esac
 case ",$STEPS," in *,restore8,*)  # the SSD tier at 8 bits (issue #11)
   model 8b
   step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes "${RESTORE_SIZES:-8K,25K}" \
