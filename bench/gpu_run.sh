@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy
+#                                  # change,graphs,readyspy,weights
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -108,6 +108,9 @@ case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sample
     -- python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
     --out "$OUT/ready-spy.json" 2>&1 | grep -E '"(start_to_ready|model_load|stand_in_warm_up)_s"|warmed up'
   python3 bench/spy_threads.py "$OUT/ready-spy.txt" --native --match warm_up_stand_in --top 20 2>&1 | tail -60 ;; esac
+case ",$STEPS," in *,weights,*)  # a model's load: mx.load against pinned reads and a copy kernel
+  model 8b
+  step python3 bench/weight_load.py /tmp/llama-8b --out "$OUT/weight_load.json" 2>&1 | tail -12 ;; esac
 case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive what a reboot does to /tmp
   model 8b
   rm -rf /tmp/omlx-kept
