@@ -68,7 +68,10 @@ class Lookup:
 
     def aligned(self, multiple: int) -> Lookup:
         """Returns the prefix of this lookup whose length is a multiple of `multiple`
-        tokens, its last hit shortened (a block's first tokens serve alone)."""
+        tokens, its last hit shortened (a block's first tokens serve alone); itself where it
+        is whole already (every lookup off MLX CUDA, where `multiple` is 1)."""
+        if self.num_tokens % multiple == 0:
+            return self
         left = self.num_tokens // multiple * multiple
         hits = []
         for hit in self.hits:

@@ -346,7 +346,8 @@ def test_an_aligned_lookup_keeps_whole_multiples_and_shortens_its_last_hit():
     assert [h.use_tokens for h in lookup.aligned(128).hits] == [64, 64]
     assert [h.use_tokens for h in lookup.aligned(96).hits] == [64, 32]
     assert lookup.aligned(256).hits == ()
-    assert lookup.aligned(1) == lookup
+    assert lookup.aligned(1) is lookup
+    assert lookup.aligned(8) is lookup  # 168 tokens: whole eights already
     assert lookup.aligned(32).tenant == "alice"
 
 
