@@ -110,7 +110,7 @@ case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sample
   python3 bench/spy_threads.py "$OUT/ready-spy.txt" --native --match warm_up_stand_in --top 20 2>&1 | tail -60 ;; esac
 case ",$STEPS," in *,weights,*)  # a model's load: mx.load against pinned reads and a copy kernel
   model 8b
-  step python3 bench/weight_load.py /tmp/llama-8b --out "$OUT/weight_load.json" 2>&1 | tail -12 ;; esac
+  step python3 bench/weight_load.py /tmp/llama-8b --beside-imports --out "$OUT/weight_load.json" 2>&1 | tail -14 ;; esac
 case ",$STEPS," in *,kept,*)  # item 1: kernels kept in the cache dir survive what a reboot does to /tmp
   model 8b
   rm -rf /tmp/omlx-kept

@@ -8,12 +8,17 @@
   kernels/cubins.py). Two staging buffers alternate: one fills while the kernels copy
   the other. Pinning them is timed apart (a server would keep them).
 
+`--beside-imports` adds two fresh processes that import mlx-lm (and through it
+transformers, 1.5-3 s on those machines) and run MLX's load, one after the other and side
+by side (the load on a thread started before the import): whether a load started before
+mlx-lm's import would overlap it, or wait on the GIL.
+
 Each path runs twice, alternating, after one read of every file into the page cache; a
 sample of the tensors is checked equal between the paths. On an H100 MLX's load of an 8B
 model's 13.75 GiB took 5.6-14.7 s (2026-12-06): most of the loader thread's samples were
 in `cuMemcpyAsync` from pageable memory.
 
-    python3 bench/weight_load.py /tmp/llama-8b [--threads 4] [--staging-mib 512] [--out OUT.json]
+    python3 bench/weight_load.py /tmp/llama-8b [--threads 4] [--staging-mib 512] [--beside-imports] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import struct
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -153,11 +159,64 @@ def _read(file: Path, offset: int, into: memoryview) -> None:
         os.close(fd)
 
 
+# A fresh process: omlx's first imports, then mlx-lm's import and MLX's load of the files,
+# in turn (argv[1] "apart") or the load on a thread started before the import ("beside").
+CHILD = r"""
+import sys, threading, time
+started = time.perf_counter()
+sys.path.insert(0, sys.argv[2])
+import appliance  # as `omlx serve` starts: it keeps transformers from importing PyTorch
+import mlx.core as mx
+from appliance.platform import limit_device_memory
+limit_device_memory()
+times = {"mlx_import_s": time.perf_counter() - started}
+def load():
+    t = time.perf_counter()
+    weights = {}
+    for f in sys.argv[3:]:
+        weights.update(mx.load(f))
+    mx.eval(list(weights.values()))
+    times["load_s"] = time.perf_counter() - t
+def imports():
+    t = time.perf_counter()
+    import mlx_lm.utils  # noqa: F401
+    times["mlx_lm_import_s"] = time.perf_counter() - t
+if sys.argv[1] == "apart":
+    imports()
+    load()
+else:
+    loader = threading.Thread(target=load)
+    loader.start()
+    imports()
+    loader.join()
+times["wall_s"] = time.perf_counter() - started
+print(repr(times))
+"""
+
+
+def beside_imports(files: list[Path]) -> dict[str, dict]:
+    """Runs CHILD apart and beside; returns each one's times."""
+    import ast
+
+    repo = str(Path(__file__).resolve().parents[1])
+    out = {}
+    for mode in ("apart", "beside"):
+        done = subprocess.run([sys.executable, "-c", CHILD, mode, repo, *map(str, files)], capture_output=True,
+                              text=True, check=True)
+        out[mode] = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+        t = out[mode]
+        print(f"{mode:6s}: mlx-lm import {t['mlx_lm_import_s']:5.2f} s, load {t['load_s']:5.2f} s, "
+              f"process {t['wall_s']:5.2f} s")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path, help="a directory of model*.safetensors")
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--staging-mib", type=int, default=512, help="each of two buffers (raised to the largest tensor)")
+    parser.add_argument("--beside-imports", action="store_true",
+                        help="also time mlx-lm's import and MLX's load in fresh processes, apart and side by side")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -202,10 +261,15 @@ def main() -> int:
     if "pinned" in best:
         print(f"best: mlx {best['mlx']:.2f} s, pinned {best['pinned']:.2f} s (+ {loader.pin_s:.2f} s pinning): "
               f"{best['mlx'] / best['pinned']:.1f}x")
+    overlap, pin_s = None, loader.pin_s if loader else None
+    if args.beside_imports:
+        loader = reference = None  # the pinned buffers freed, the device's memory for the children
+        mx.clear_cache()
+        overlap = beside_imports(files)
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model), "bytes": total, "tensors": len(listed),
-                                        "threads": args.threads, "pin_s": loader.pin_s if loader else None,
-                                        "runs": runs, "best_s": best}, indent=1))
+                                        "threads": args.threads, "pin_s": pin_s,
+                                        "runs": runs, "best_s": best, "beside_imports": overlap}, indent=1))
     return 0
 
 
