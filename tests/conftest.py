@@ -53,14 +53,15 @@ def own_cache_dir(root: Path) -> Path:
 
 def write_config(path: Path, *, port: int, cache_dir: Path | None = None, extra: str = "",
                  model_extra: str = "", cache_extra: str = "", server_extra: str = "",
-                 context_tokens: int = 2048, max_running: int = 4, max_queued: int = 8) -> Path:
+                 context_tokens: int = 2048, max_running: int = 4, max_queued: int = 8,
+                 drain_timeout_s: float = 5) -> Path:
     """Writes an omlx.toml serving the real model; returns its path."""
     cache_dir = cache_dir or own_cache_dir(path.parent)
     path.write_text(f"""
 [server]
 host = "127.0.0.1"
 port = {port}
-drain_timeout_s = 5
+drain_timeout_s = {drain_timeout_s}
 {server_extra}
 
 [[models]]
