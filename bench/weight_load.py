@@ -37,20 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from appliance.kernels.kv_move import SOURCES, THREADS, compiled, grid  # noqa: E402
+from appliance.kernels.pinned import PinnedBuffer  # noqa: E402
 from appliance.platform import limit_device_memory  # noqa: E402
 
 DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
           "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64}
 ALIGN = 256  # each tensor's place in a staging buffer
 PIECE = 64 << 20  # bytes one thread reads at once
-THREADS = 256
-MAX_THREADS = 132 * 2048
-COPY_SOURCE = """
-typedef unsigned char u8;
-typedef unsigned int u32;
-typedef long long i64;
-typedef unsigned long long u64;
-struct alignas(16) Vec16 { u32 x, y, z, w; };
+COPY_KERNEL = """
 // src: [device address of pinned host memory (16-byte aligned), bytes]; out: any array
 extern "C" __global__ void omlx_copy_from_host(const u64* src, u8* out) {
   const u8* base = reinterpret_cast<const u8*>(src[0]);
@@ -88,14 +83,7 @@ class PinnedLoader:
     """Two pinned staging buffers and a thread pool; `load(files)` returns the weights."""
 
     def __init__(self, staging_bytes: int, threads: int):
-        from appliance.kernels import cubins
-        from appliance.kernels.cuda_driver import compute_capability
-        from appliance.kernels.kv_move import _directory
-        from appliance.kernels.pinned import PinnedBuffer
-
-        major, minor = compute_capability()
-        self.cubin = cubins.cubin(COPY_SOURCE, name="omlx_copy_from_host", arch=f"sm_{major}{minor}",
-                                  directory=_directory())
+        self.cubin = compiled((SOURCES / "prelude.cuh").read_text() + COPY_KERNEL, "omlx_copy_from_host")
         started = time.perf_counter()
         self.buffers = [PinnedBuffer(staging_bytes) for _ in range(2)]
         self.pin_s = time.perf_counter() - started
@@ -106,7 +94,7 @@ class PinnedLoader:
         return mx.fast.precompiled_cuda_kernel(
             name="omlx_copy_from_host", compiled_source=self.cubin,
             inputs=[mx.array([address, nbytes], dtype=mx.uint64)], scalars=[],
-            grid=(max(1, min(nbytes // 16, MAX_THREADS)), 1, 1), threadgroup=(THREADS, 1, 1),
+            grid=grid(nbytes // 16), threadgroup=(THREADS, 1, 1),
             output_shapes=[tuple(shape)], output_dtypes=[dtype])[0]
 
     def load(self, files: list[Path]) -> dict[str, mx.array]:

@@ -51,14 +51,20 @@ def source(file: str, instance: str = "") -> str:
     return "\n".join(((SOURCES / "prelude.cuh").read_text(), (SOURCES / f"{file}.cu").read_text(), instance))
 
 
+def compiled(source: str, kernel: str) -> bytes:
+    """Returns the cubin of `source` (whose extern "C" `kernel` it is run as) for this GPU,
+    compiled once per machine and kept in `cubin_dir` (kernels/cubins.py)."""
+    return cubins.cubin(source, name=kernel, arch=_arch(), directory=cubin_dir())
+
+
 @cache
 def _cubin(file: str, kernel: str, instance: str = "") -> bytes:
-    """Returns the cubin of `kernel` in kernels/cuda/FILE.cu, compiled once per machine
-    (kernels/cubins.py)."""
-    return cubins.cubin(source(file, instance), name=kernel, arch=_arch(), directory=_directory())
+    """Returns the cubin of `kernel` in kernels/cuda/FILE.cu (its sources read and its
+    cubin looked up once per process)."""
+    return compiled(source(file, instance), kernel)
 
 
-def _directory() -> Path | None:
+def cubin_dir() -> Path | None:
     """Where compiled kernels are kept: beside MLX's own (platform.kernel_dir)."""
     mlx_kernels = kernel_dir()
     return mlx_kernels / "omlx" if mlx_kernels is not None else None
@@ -79,7 +85,7 @@ def _scalar(n: int, what: str) -> int:
     return n
 
 
-def _grid(work_items: int) -> tuple[int, int, int]:
+def grid(work_items: int) -> tuple[int, int, int]:
     return (max(1, min(work_items, MAX_THREADS)), 1, 1)
 
 
@@ -89,7 +95,7 @@ def to_host(pairs: list[tuple[mx.array, int]]) -> None:
     cubin = _cubin("kv_to_host", "omlx_kv_to_host")
     done = [mx.fast.precompiled_cuda_kernel(
         name="omlx_kv_to_host", compiled_source=cubin, inputs=[payload, mx.array([address], dtype=mx.uint64)],
-        scalars=[_scalar(payload.size, "a payload's bytes")], grid=_grid(payload.size // 16),
+        scalars=[_scalar(payload.size, "a payload's bytes")], grid=grid(payload.size // 16),
         threadgroup=(THREADS, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint8], ensure_row_contiguous=True)[0]
             for payload, address in pairs]
     mx.eval(done)
@@ -124,7 +130,7 @@ def to_block(address: int, meta: dict, *, wait: bool = True) -> tuple[mx.array, 
         out.append(mx.fast.precompiled_cuda_kernel(
             name=name, compiled_source=_cubin("kv_to_block", name, instance),
             inputs=[mx.array([address + offset], dtype=mx.uint64)], scalars=[_scalar(rows, "a region's rows")],
-            grid=_grid(rows * dim * dtype.size // 16), threadgroup=(THREADS, 1, 1),
+            grid=grid(rows * dim * dtype.size // 16), threadgroup=(THREADS, 1, 1),
             output_shapes=[tuple(shape)], output_dtypes=[dtype])[0])
     if wait:
         mx.eval(out)
