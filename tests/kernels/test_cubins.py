@@ -7,17 +7,12 @@ import os
 
 import pytest
 
-from appliance.kernels import cubins, nvrtc
+from appliance.kernels import cubins
 
 SOURCE = 'extern "C" __global__ void omlx_test_copy(const int* a, int* b) { b[threadIdx.x] = a[threadIdx.x]; }'
 
 
-@pytest.fixture(autouse=True)
-def _nvrtc():
-    try:
-        nvrtc.version()
-    except nvrtc.CompileError as e:
-        pytest.skip(str(e))
+pytestmark = pytest.mark.usefixtures("needs_nvrtc")
 
 
 def kept(directory):
