@@ -17,7 +17,7 @@ from pathlib import Path
 from appliance import platform
 from appliance.cache.keys import DEFAULT_TENANT, tenant_dir
 from appliance.cache.kv import KVLayout, probe_layout
-from appliance.cache.model_cache import ModelCache, kv_tenant
+from appliance.cache.model_cache import ModelCache, block_payloads, kv_tenant
 from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
@@ -143,14 +143,25 @@ class Appliance:
         cache_dir = spec.cache.path(config.base_dir)
         thread = EngineThread(f"engine-{entry.spec.name}")
 
+        layouts: list[KVLayout] = []
+
         def expect(layout: KVLayout | None) -> None:  # its native KV kernels compile beside the warm-up
             if store is not None and layout is not None:
                 store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
+                layouts.append(layout)
+
+        def pin_ahead() -> None:  # after the stand-in's warm-up, beside the rest of the load
+            if store is not None and layouts:
+                try:
+                    store.expect_blocks(*block_payloads(layouts[-1], spec.cache.block_tokens, store))
+                except Exception:  # a job that raises would end the engine's thread
+                    log.exception("model %s: pinning host memory ahead failed", entry.spec.name)
 
         def beside(path: Path, dtype: str | None) -> None:
             if stand_in_wanted(spec.batching.warm_up_beside_load):
                 thread.submit(functools.partial(warm_up_stand_in, entry.spec, path, dtype, spec.batching,
                                                 on_layout=expect))
+                thread.submit(pin_ahead)
 
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)

@@ -120,6 +120,15 @@ def request_tenant(salt: str | None) -> str:
     return kv_tenant(REQUEST_TENANT.get(), salt)
 
 
+def block_payloads(layout: KVLayout, block_tokens: int, store: KVStore) -> set[int]:
+    """Returns the payload bytes of a full block of `layout` at each of `store`'s tiers'
+    precisions."""
+    k_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.k_head_dim]
+    v_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.v_head_dim]
+    return {payload_nbytes(block_meta(layout.dtype, k_shape, v_shape, bits))
+            for bits in {store.kv_bits[HOST], store.kv_bits[SSD]}}
+
+
 class ModelCache:
     def __init__(self, store: KVStore, *, weights: str, compute_dtype: str, layout: KVLayout,
                  block_tokens: int):
@@ -141,10 +150,7 @@ class ModelCache:
         # prefill that their batched start did anyway (bench/batch_steps.py).
         self.restore_call_s: float | None = None
         store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
-        k_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.k_head_dim]
-        v_shape = [layout.num_layers, layout.kv_heads, block_tokens, layout.v_head_dim]
-        for bits in {store.kv_bits[HOST], store.kv_bits[SSD]}:  # full blocks' payloads: pinned ahead on CUDA
-            store.expect_blocks(payload_nbytes(block_meta(layout.dtype, k_shape, v_shape, bits)))
+        store.expect_blocks(*block_payloads(layout, block_tokens, store))  # pinned ahead on CUDA
 
     @property
     def dir(self) -> str:

@@ -65,6 +65,11 @@ RATES_FILE = "rates.json"  # under the SSD root, beside index.sqlite
 # reaches the SSD whole.
 NATIVE_WRITER_PENDING_BYTES = 8 << 30
 PINNED_AHEAD_BYTES = 8 << 30  # pinned slots made ahead of need by idle engines (and kept when freed)
+# Pinned as soon as a model's block sizes are known, on a thread of its own, without
+# waiting for an idle engine: the first SSD restore after a restart reads into them. (On
+# an H100, a request sent at readiness found no slot: its 25K-token prompt's 873 MiB of
+# 4-bit blocks would have moved up by the generic path, and the estimate chose recomputing.)
+START_PINNED_BYTES = 2 << 30
 PREFETCH_READERS = 4
 RESTORE_WAVE_BYTES = 1 << 30  # a restore's copies to the device are waited for in waves this large
 SSD_PROBE_BYTES = 512 << 20
@@ -130,6 +135,9 @@ class KVStore:
         self._layouts: set[tuple[str, int, int]] = set()  # expect_layout: (dtype, k_dim, v_dim)
         self._warming: threading.Thread | None = None  # the last `_warm` compile
         self._pinning_failed = False
+        self._pin_lock = threading.Lock()  # pin_one: the start's pinning thread and idle engines
+        self._start_pinning: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()  # guards _reading, and a read block's hand-over to host
         self._reading: dict[bytes, Future] = {}  # prefetch reads under way, by key (`_claim`)
         # Block files are read in parallel: a read's cost here is as much fresh memory
@@ -505,6 +513,7 @@ class KVStore:
         if self.writer is not None:
             self.writer.max_pending_bytes = NATIVE_WRITER_PENDING_BYTES if quantize else WRITER_PENDING_BYTES
         self._warm()
+        self._pin_start()
 
     def expect_layout(self, *, dtype: str, k_dim: int, v_dim: int) -> None:
         """Says a model's KV has this dtype and these head dimensions: with the native
@@ -550,10 +559,30 @@ class KVStore:
         warming.join(timeout_s)
         return not warming.is_alive()
 
-    def expect_blocks(self, nbytes: int) -> None:
-        """Says a model's full blocks take `nbytes` of payload at a tier's precision: with the
-        native kernels, pinned slots for them are made ahead (`pin_one`, by idle engines)."""
-        self._block_nbytes.add(nbytes)
+    def expect_blocks(self, *nbytes: int) -> None:
+        """Says a model's full blocks take `nbytes` of payload at the tiers' precisions: with
+        the native kernels, pinned slots for them are made ahead, the first
+        START_PINNED_BYTES at once on a thread (`_pin_start`), the rest by idle engines
+        (`pin_one`)."""
+        self._block_nbytes.update(nbytes)
+        self._pin_start()
+
+    def _pin_start(self) -> None:
+        """Pins slots up to START_PINNED_BYTES on a thread of its own, once (when the native
+        kernels are on and block sizes known). Readiness does not wait for it."""
+        with self._pin_lock:
+            if self._start_pinning is not None or not self.wants_pinned():
+                return
+            self._start_pinning = threading.Thread(target=self._pin_until_start_bytes, name="kv-pin-start",
+                                                   daemon=True)
+        self._start_pinning.start()
+
+    def _pin_until_start_bytes(self) -> None:
+        started = time.perf_counter()
+        while not self._closed and self._pool.total_bytes < START_PINNED_BYTES and self.wants_pinned():
+            self.pin_one()
+        log.info("pinned %.0f MiB of host memory for the KV cache in %.2f s", self._pool.total_bytes / 2**20,
+                 time.perf_counter() - started)
 
     def wants_pinned(self) -> bool:
         """Returns whether more pinned slots should be made ahead of need."""
@@ -566,9 +595,10 @@ class KVStore:
         if self._pool is None:
             return
         try:  # the size with the fewest free bytes first: with 8- or 4-bit tiers, blocks come in two sizes
-            for nbytes in sorted(self._block_nbytes, key=self._pool.free_bytes_of):
-                if self._pool.reserve_one(nbytes):
-                    return
+            with self._pin_lock:
+                for nbytes in sorted(self._block_nbytes, key=self._pool.free_bytes_of):
+                    if self._pool.reserve_one(nbytes):
+                        return
         except CudaError as e:  # out of pinned memory: the slots made so far serve
             self._pinning_failed = True
             log.warning("pinning host memory for the KV cache stopped: %s", e)
@@ -616,6 +646,7 @@ class KVStore:
         return self.writer.flush(timeout_s) if self.writer is not None else True
 
     def close(self) -> None:
+        self._closed = True
         self._readers.shutdown(wait=False, cancel_futures=True)
         if self.writer is not None:
             self.writer.close()

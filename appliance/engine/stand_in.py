@@ -14,9 +14,11 @@ model's own warm-up finds it done.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -68,11 +70,18 @@ def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
                        load_s=time.perf_counter() - started)
 
 
+def model_layers(path: Path) -> int:
+    """Returns the number of layers of the model at `path` (its config's, which a stand-in
+    overrides)."""
+    return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+
+
 def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: BatchingSpec, *,
                      on_layout: Callable[[KVLayout], None] | None = None) -> bool:
     """Runs the warm-up (warm_up.py) on a stand-in of the model at `path`, on the calling
     thread, which must be the engine's; hands the stand-in's KV layout (the model's) to
-    `on_layout` first, so that the cache's kernels compile beside it. Returns whether it
+    `on_layout` first (with the model's number of layers), so that the cache's kernels
+    compile beside it. Returns whether it
     ran: a failure is logged, never raised, since the model's own warm-up follows.
 
     The stand-in must fit beside the whole model (its weights with the load's headroom)
@@ -88,7 +97,7 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
         with mx.stream(generation_stream):
             layout = probe_layout(stand_in.model)
         if layout is not None and on_layout is not None:
-            on_layout(layout)
+            on_layout(replace(layout, num_layers=model_layers(path)))
         laps.lap("layout")
         laps.seconds.update(warm_up(stand_in, Scheduler.for_device(stand_in.model, limits), limits))
     except Exception:

@@ -1,3 +1,4 @@
+import functools
 import logging
 import threading
 import time
@@ -8,10 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from appliance.cache import store as store_module
 from appliance.cache.block import Block
 from appliance.cache.keys import KeySpace, KVLayout, key_space
 from appliance.cache.kv import KVBlock, from_bytes
 from appliance.cache.store import GENERIC, HOST, MEMORY, SSD, Fetched, KVStore, Rate
+from appliance.kernels.pinned import PinnedPool
+from tests.kernels.test_pinned import PlainBuffer
 
 LAYERS, HEADS, DIM, B = 2, 2, 8, 4
 LAYOUT = KVLayout(num_layers=LAYERS, kv_heads=HEADS, k_head_dim=DIM, v_head_dim=DIM, dtype="float32",
@@ -623,3 +627,26 @@ def test_an_ssd_restore_with_no_pinned_slot_free_is_estimated_at_the_generic_rat
     store.use_native(quantize=False, dequantize=True)  # as on CUDA, before idle engines pinned anything
     assert store.restore_s(SSD, int(4e9)) == pytest.approx(4.0)
     assert store.restore_s(HOST, int(4e9)) == pytest.approx(0.1)
+
+
+def test_a_start_pins_its_first_slots_without_waiting_for_an_idle_engine(tmp_path, monkeypatch):
+    """Once the native kernels are on and a model's block sizes are known, slots up to
+    START_PINNED_BYTES are pinned on a thread of their own, once, within the host budget:
+    the first SSD restore after a restart reads into them. (The CPU has no pinned memory:
+    ordinary memory stands in for it, as in tests/kernels/test_pinned.py.)"""
+    monkeypatch.setattr(store_module, "START_PINNED_BYTES", 4 * MIB)
+    monkeypatch.setattr(store_module, "PinnedPool", functools.partial(PinnedPool, allocate=PlainBuffer))
+    for host_mib, pinned_mib in ((16, 4), (3, 3)):
+        store = KVStore(root=tmp_path / f"kv{host_mib}", memory_bytes=MIB, host_bytes=host_mib * MIB,
+                        ssd_bytes=MIB)
+        try:
+            store.use_native(quantize=True, dequantize=True)
+            assert store._start_pinning is None  # no block size known yet
+            store.expect_blocks(MIB // 2)
+            started = store._start_pinning
+            started.join(10)
+            assert store.stats()[HOST]["pinned_free_bytes"] == pinned_mib * MIB
+            store.expect_blocks(MIB // 2)
+            assert store._start_pinning is started
+        finally:
+            store.close()

@@ -109,6 +109,22 @@ def test_the_store_demotes_and_restores_through_pinned_memory(tmp_path):
         store.close()
 
 
+def test_a_start_pins_slots_before_any_engine_is_idle(tmp_path, monkeypatch):
+    """Native kernels on and a block size known: slots are pinned at once, on a thread."""
+    from appliance.cache import store as store_module
+    from appliance.cache.store import HOST, KVStore
+
+    monkeypatch.setattr(store_module, "START_PINNED_BYTES", 8 << 20)
+    store = KVStore(root=tmp_path, memory_bytes=1 << 20, host_bytes=64 << 20, ssd_bytes=64 << 20)
+    try:
+        store.use_native(quantize=True, dequantize=True)
+        store.expect_blocks(2 << 20)
+        store._start_pinning.join(30)
+        assert store.stats()[HOST]["pinned_free_bytes"] == 8 << 20
+    finally:
+        store.close()
+
+
 def test_a_restore_frees_its_pinned_slot_for_the_block_it_pushes_down(tmp_path):
     """With one pinned slot, restoring a host block evicts another from memory, and that
     one goes down into the slot the restore has just freed, not by the generic path."""
