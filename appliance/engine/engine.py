@@ -134,6 +134,7 @@ class Engine:
         self._prefetcher = prefetcher
         # Measured, for restore-or-recompute; kept in the store, which keeps it across restarts.
         self.prefill_tok_s: float | None = cache.store.prefill_tok_s.get(cache.dir) if cache is not None else None
+        self._prefill_s: float | None = None  # the measured prefills' seconds, averaged (`_prefilled`)
         # Restores and saves keep to multiples of this many tokens: on MLX CUDA the GPU
         # scheduler's prefill shape (see `_restore`), elsewhere any length.
         self.whole_tokens = GPU_SHAPE_TOKENS if device_kind() == "gpu" and mx.cuda.is_available() else 1
@@ -546,11 +547,21 @@ class Engine:
         (Scheduler.last_prefilled). Not its wait for its first token: rows sharing a call
         divide that, and restores then look worth more than they are (on an H200, 7 prompts
         of ~125 tokens started together in 0.37 s: ~340 tok/s each, against 27K tok/s for a
-        lone 25K-token prefill)."""
+        lone 25K-token prefill).
+
+        Tokens and seconds are averaged apart, so each prefill weighs by its seconds: the
+        short tail a memory hit leaves runs at a fraction of a long prompt's speed (on an
+        H100, three of 158 tokens after a 25K-token prefill took a plain average of speeds
+        from 13.6K to 8.2K tok/s, and a recompute of 25K tokens that took 2.0 s was
+        estimated at 3.0 s)."""
         tokens, seconds = self._scheduler.last_prefilled.get(slot.uid, (0, 0.0))
         if tokens < RATE_TOKENS or seconds <= 0:
             return
-        self.prefill_tok_s = moving_average(self.prefill_tok_s, tokens / seconds)
+        # A speed known without its seconds (kept from an earlier run) weighs as a second's prefill.
+        before_s = None if self.prefill_tok_s is None else self._prefill_s or 1.0
+        average_s = moving_average(before_s, seconds)
+        average_tokens = moving_average(None if before_s is None else self.prefill_tok_s * before_s, tokens)
+        self.prefill_tok_s, self._prefill_s = average_tokens / average_s, average_s
         if self.cache is not None:
             self.cache.store.prefill_tok_s[self.cache.dir] = self.prefill_tok_s
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -154,6 +155,25 @@ def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_on
     finally:
         engine.stop(drain_s=0)
     assert engine.prefill_tok_s == 4 * (len(req.prompt_tokens) - 1)  # the last token is decoded
+
+
+def test_a_prefill_weighs_in_the_speed_by_its_seconds(loaded_model):
+    """A memory hit's short tail, computed slowly, barely moves a long prompt's speed: the
+    one a recompute of a long prefix is priced at."""
+    engine = Engine(loaded_model, BatchingSpec())  # not started: the calls' timings are given
+    engine._scheduler, slot = SimpleNamespace(last_prefilled={}), SimpleNamespace(uid=1)
+
+    def prefilled(tokens: int, seconds: float) -> float:
+        engine._scheduler.last_prefilled[slot.uid] = (tokens, seconds)
+        engine._prefilled(slot)
+        return engine.prefill_tok_s
+
+    assert prefilled(25_000, 2.0) == pytest.approx(12_500)
+    for _ in range(3):
+        speed = prefilled(158, 0.1)  # 1,580 tok/s
+    assert 11_000 < speed < 12_500
+    engine.prefill_tok_s, engine._prefill_s = 10_000.0, None  # kept from an earlier run
+    assert prefilled(5_000, 1.0) == pytest.approx(8_500)  # that speed weighs as a second's prefill
 
 
 def test_an_idle_engine_gathers_requests_sent_together_into_one_start(loaded_model):
