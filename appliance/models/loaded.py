@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from appliance.models.weights import load_weights, weight_files
 from appliance.platform import resolve_dtype
 from appliance.spec import ModelSpec
 
@@ -70,17 +71,69 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
         start_fingerprint(path, memo_dir=cache_dir)
     if beside is not None:
         beside(path, dtype)
-    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    weights_s = 0.0  # reading and evaluating the weights, not building the model or its tokenizer
+    if mx.cuda.is_available():  # the weights read through pinned memory (models/weights.py)
+        weights = load_weights(weight_files(path))
+        loader, weights_s = weights.loader, weights.load_s
+        model, tokenizer, config = load_with_weights(path, weights.arrays)
+    else:  # mlx-lm's own lazy load, read by mx.load in the eval below
+        loader = "mx.load"
+        model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     if dtype is not None:
         cast(model, DTYPES[dtype])
+    evaluated = time.perf_counter()
     mx.eval(model.parameters())
+    weights_s += time.perf_counter() - evaluated
+    weights_gb = sum(f.stat().st_size for f in weight_files(path)) / 1e9
     context = context_tokens(spec, config)
     actual = dtype or str(next(iter_float_dtypes(model), "unknown")).removeprefix("mlx.core.")
     loaded = LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
                          context_tokens=context, dtype=actual, load_s=time.perf_counter() - started)
-    log.info("model %s loaded from %s (%s, %d-token context) in %.1f s",
-             spec.name, path, actual, context, loaded.load_s)
+    log.info("model %s loaded from %s (%s, %d-token context) in %.1f s; weights by %s, %.2f GB in %.2f s (%.1f GB/s)",
+             spec.name, path, actual, context, loaded.load_s, loader, weights_gb, weights_s,
+             weights_gb / weights_s if weights_s > 0 else 0.0)
     return loaded
+
+
+def load_with_weights(path: Path, arrays: dict[str, mx.array]) -> tuple[nn.Module, Any, dict]:
+    """Returns (model, tokenizer, config) as mlx-lm's `load(path, lazy=True,
+    return_config=True)` does, its weights taken from `arrays` (every tensor of the model's
+    files by name, on the device already) instead of the lazy arrays mlx-lm reads from the
+    files, which are never evaluated. `arrays` is emptied as they are taken, so a weight
+    that sanitize or the cast replaces is freed once its replacement is evaluated.
+
+    Relies on mlx-lm 0.32.2's `load_model` passing every tensor of the files to the model
+    class's `sanitize` (when it has one) before anything else reads them, and on its
+    private `_get_classes`, wrapped as `get_model_classes`."""
+    from mlx_lm import utils as mlx_lm_utils
+
+    made: list[type] = []
+
+    def classes(config: dict) -> tuple[type, type]:
+        model_class, args_class = mlx_lm_utils._get_classes(config)
+        made.append(_taking(model_class, arrays))
+        return made[-1], args_class
+
+    model, config = mlx_lm_utils.load_model(path, lazy=True, get_model_classes=classes)
+    if made and type(model) is made[-1]:
+        model.__class__ = made[-1].__base__  # the model's own class again, the weights taken
+    tokenizer = mlx_lm_utils.load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return model, tokenizer, config
+
+
+def _taking(model_class: type, arrays: dict[str, mx.array]) -> type:
+    """Returns a subclass of `model_class` whose `sanitize` first swaps each lazy array it
+    is given for the one of that name in `arrays`, then runs the class's own (if any)."""
+    has_sanitize = hasattr(model_class, "sanitize")
+
+    class Taking(model_class):
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            weights = {name: arrays.pop(name, lazy) for name, lazy in weights.items()}
+            return super().sanitize(weights) if has_sanitize else weights
+
+    Taking.__name__, Taking.__qualname__ = model_class.__name__, model_class.__qualname__
+    Taking.__module__ = model_class.__module__
+    return Taking
 
 
 def context_tokens(spec: ModelSpec, config: dict) -> int:

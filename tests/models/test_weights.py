@@ -1,4 +1,6 @@
-"""appliance/models/weights.py: every tensor as `mx.load` reads it.
+"""appliance/models/weights.py and the load through it (models/loaded.py's
+`load_with_weights`): every tensor as `mx.load` reads it, and the model mlx-lm's own `load`
+builds.
 
 The tests named test_on_cuda_* run the pinned path itself; they run on an NVIDIA GPU with
 MLX CUDA (`bench/gpu_run.sh`'s kernels step names them) and are skipped elsewhere with the
@@ -9,17 +11,26 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import struct
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import save_model
 
 from appliance.kernels.cuda_driver import CudaError
 from appliance.models import weights
+from appliance.models.loaded import load_model, load_with_weights
 from appliance.models.weights import ALIGN, DTYPES, load_mlx, load_weights, plan, read_into, tensors, weight_files
+from appliance.spec import ModelSpec
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the pinned path is CUDA only; no CUDA here")
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json")
 
 
 def same_bits(a: mx.array, b: mx.array) -> bool:
@@ -166,6 +177,52 @@ def test_a_dtype_with_no_mlx_dtype_falls_back_before_anything_is_pinned(edge_fil
     assert loaded.loader == "mx.load"
     assert "no MLX dtype for safetensors dtype F8_E8M0" in caplog.text
     assert not unequal(loaded.arrays, load_mlx(edge_files))
+
+
+def assert_same_model(path: Path):
+    """Loads the model at `path` through `load_with_weights` and checks it against mlx-lm's `load`."""
+    want, want_tokenizer, want_config = mlx_lm.load(str(path), return_config=True)
+    arrays = load_weights(weight_files(path)).arrays
+    given = dict(arrays)
+    model, tokenizer, config = load_with_weights(path, arrays)
+    mx.eval(model.parameters())
+    got = dict(tree_flatten(model.parameters()))
+    assert not unequal(got, dict(tree_flatten(want.parameters())))
+    assert not arrays  # every tensor taken: none of mlx-lm's lazy reads was needed
+    assert all(got[name] is a for name, a in given.items() if name in got)  # the loaded arrays themselves
+    assert type(model) is type(want)
+    assert config == want_config
+    assert tokenizer.eos_token_ids == want_tokenizer.eos_token_ids
+    return model, tokenizer
+
+
+def test_the_model_loaded_with_the_weights_is_the_one_mlx_lm_loads(model_dir: Path):
+    model, tokenizer = assert_same_model(model_dir)
+    prompt = mx.array([tokenizer.encode("The capital of France is")])
+    want, _ = mlx_lm.load(str(model_dir))
+    assert mx.array_equal(model(prompt), want(prompt)).item()
+
+
+def test_a_quantized_model_loads_with_the_weights_as_mlx_lm_loads_it(model_dir: Path, tmp_path: Path):
+    model, _ = mlx_lm.load(str(model_dir))
+    nn.quantize(model, group_size=64, bits=4)  # uint32 weights with scales and biases, as mlx-lm's convert
+    save_model(tmp_path, model)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization"] = {"group_size": 64, "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in MODEL_FILES[1:]:
+        shutil.copy(model_dir / name, tmp_path / name)
+    assert any(t.dtype == "U32" for f in weight_files(tmp_path) for t in tensors(f))
+    assert_same_model(tmp_path)
+
+
+def test_load_model_says_which_loader_read_the_weights_and_how_fast(model_dir: Path, caplog):
+    repo = Path(__file__).resolve().parents[2]
+    spec = ModelSpec(name="smollm2-135m", source=str(model_dir), max_context_tokens=2048)
+    with caplog.at_level(logging.INFO, logger="omlx.models"):
+        load_model(spec, base_dir=repo, cache_dir=repo / ".cache" / "test")
+    loader = "pinned" if mx.cuda.is_available() else "mx.load"
+    assert f"weights by {loader}, 0.54 GB in" in caplog.text and "GB/s)" in caplog.text
 
 
 @on_cuda
