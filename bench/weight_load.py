@@ -6,7 +6,8 @@
   finds it) into pinned host memory on `--threads` threads, then copied into a new device
   array by a kernel that reads pinned memory over the host link (compiled by NVRTC,
   kernels/cubins.py). Two staging buffers alternate: one fills while the kernels copy
-  the other. Pinning them is timed apart (a server would keep them).
+  the other. Pinning them is timed apart. This is appliance/models/weights.py's
+  `PinnedLoader`, what `omlx serve` loads models through on CUDA.
 
 `--beside-imports` adds two fresh processes that import mlx-lm (and through it
 transformers, 1.5-3 s on those machines) and run MLX's load, one after the other and side
@@ -25,127 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import struct
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from appliance.kernels.kv_move import SOURCES, THREADS, compiled, grid  # noqa: E402
-from appliance.kernels.pinned import PinnedBuffer  # noqa: E402
+from appliance.models.weights import ALIGN, PinnedLoader, load_mlx, tensors  # noqa: E402
 from appliance.platform import limit_device_memory  # noqa: E402
-
-DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
-          "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64}
-ALIGN = 256  # each tensor's place in a staging buffer
-PIECE = 64 << 20  # bytes one thread reads at once
-COPY_KERNEL = """
-// src: [device address of pinned host memory (16-byte aligned), bytes]; out: any array
-extern "C" __global__ void omlx_copy_from_host(const u64* src, u8* out) {
-  const u8* base = reinterpret_cast<const u8*>(src[0]);
-  const i64 n = static_cast<i64>(src[1]);
-  const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x;
-  for (i64 i = first; i < n / 16; i += (i64)gridDim.x * blockDim.x) {
-    reinterpret_cast<Vec16*>(out)[i] = reinterpret_cast<const Vec16*>(base)[i];
-  }
-  if (first == 0) {
-    for (i64 i = n / 16 * 16; i < n; ++i) out[i] = base[i];
-  }
-}
-"""
-
-
-def tensors(path: Path) -> list[tuple[str, str, list[int], int, int]]:
-    """Returns (name, dtype, shape, file offset, bytes) of each tensor in a safetensors file."""
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    start = 8 + header_len
-    return [(name, t["dtype"], t["shape"], start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
-            for name, t in header.items() if name != "__metadata__"]
-
-
-def load_mlx(files: list[Path]) -> dict[str, mx.array]:
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    mx.eval(list(weights.values()))
-    return weights
-
-
-class PinnedLoader:
-    """Two pinned staging buffers and a thread pool; `load(files)` returns the weights."""
-
-    def __init__(self, staging_bytes: int, threads: int):
-        self.cubin = compiled((SOURCES / "prelude.cuh").read_text() + COPY_KERNEL, "omlx_copy_from_host")
-        started = time.perf_counter()
-        self.buffers = [PinnedBuffer(staging_bytes) for _ in range(2)]
-        self.pin_s = time.perf_counter() - started
-        self.staging_bytes = staging_bytes
-        self.pool = ThreadPoolExecutor(threads)
-
-    def _copy(self, address: int, nbytes: int, shape: list[int], dtype: mx.Dtype) -> mx.array:
-        return mx.fast.precompiled_cuda_kernel(
-            name="omlx_copy_from_host", compiled_source=self.cubin,
-            inputs=[mx.array([address, nbytes], dtype=mx.uint64)], scalars=[],
-            grid=grid(nbytes // 16), threadgroup=(THREADS, 1, 1),
-            output_shapes=[tuple(shape)], output_dtypes=[dtype])[0]
-
-    def load(self, files: list[Path]) -> dict[str, mx.array]:
-        weights: dict[str, mx.array] = {}
-        copies: list[list[mx.array]] = []  # per batch, its device arrays
-        for i, batch in enumerate(self._batches(files)):
-            buffer = self.buffers[i % 2]
-            if i >= 2:
-                mx.eval(copies[i - 2])  # that buffer's last copies must be done before it is refilled
-            reads = [self.pool.submit(_read, file, offset + at, buffer.view[place + at:place + min(nbytes, at + PIECE)])
-                     for file, (_, _, _, offset, nbytes), place in batch for at in range(0, nbytes, PIECE)]
-            for read in reads:
-                read.result()
-            arrays = [self._copy(buffer.device_address + place, nbytes, shape, DTYPES[dtype])
-                      for _, (_, dtype, shape, _, nbytes), place in batch]
-            mx.async_eval(arrays)  # copied while the next batch is read into the other buffer
-            copies.append(arrays)
-            weights.update((name, a) for (_, (name, *_), _), a in zip(batch, arrays))
-        mx.eval(list(weights.values()))
-        return weights
-
-    def _batches(self, files: list[Path]):
-        """Tensors grouped into staging-buffer loads, each with its place in the buffer."""
-        batches, batch, used = [], [], 0
-        for file in files:
-            for t in tensors(file):
-                size = -(-t[4] // ALIGN) * ALIGN
-                if size > self.staging_bytes:
-                    raise SystemExit(f"{t[0]} ({t[4]} bytes) does not fit a staging buffer: raise --staging-mib")
-                if used + size > self.staging_bytes:
-                    batches.append(batch)
-                    batch, used = [], 0
-                batch.append((file, t, used))
-                used += size
-        if batch:
-            batches.append(batch)
-        return batches
-
-
-def _read(file: Path, offset: int, into: memoryview) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(into):
-            n = os.preadv(fd, [into[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"short read of {file} at {offset + done}")
-            done += n
-    finally:
-        os.close(fd)
-
 
 # A fresh process: omlx's first imports, then mlx-lm's import and MLX's load of the files,
 # in turn (argv[1] "apart") or the load on a thread started before the import ("beside").
@@ -211,8 +102,8 @@ def main() -> int:
     limit_device_memory()
     files = sorted(args.model.glob("model*.safetensors"))
     listed = [t for f in files for t in tensors(f)]
-    total = sum(t[4] for t in listed)
-    largest = max(t[4] for t in listed)
+    total = sum(t.nbytes for t in listed)
+    largest = max(t.nbytes for t in listed)
     for file in files:  # into the page cache, as a later start finds the files
         with file.open("rb") as f:
             while f.read(64 << 20):
@@ -223,7 +114,7 @@ def main() -> int:
     loader = None
     if cuda:
         staging = max(args.staging_mib << 20, -(-largest // ALIGN) * ALIGN)
-        loader = PinnedLoader(staging, args.threads)
+        loader = PinnedLoader(staging, num_readers=args.threads)
         print(f"pinned 2 x {staging / 2**20:.0f} MiB in {loader.pin_s:.2f} s")
     runs: list[dict] = []
     reference = None
@@ -250,8 +141,10 @@ def main() -> int:
         print(f"best: mlx {best['mlx']:.2f} s, pinned {best['pinned']:.2f} s (+ {loader.pin_s:.2f} s pinning): "
               f"{best['mlx'] / best['pinned']:.1f}x")
     overlap, pin_s = None, loader.pin_s if loader else None
+    if loader is not None:
+        loader.close()  # the pinned buffers freed
     if args.beside_imports:
-        loader = reference = None  # the pinned buffers freed, the device's memory for the children
+        reference = None  # the device's memory for the children
         mx.clear_cache()
         overlap = beside_imports(files)
     if args.out:
