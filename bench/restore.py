@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import shutil
 import signal
 import sys
@@ -147,6 +148,7 @@ class SizeResult:
     host: list[Shot] = field(default_factory=list)  # --host: cold A, cold B (A goes to host), A again
     host_pinned_bytes: int | None = None  # pinned host memory when the host phase began (CUDA)
     ssd_runs: list[Shot] = field(default_factory=list)  # one per restart
+    ssd_restore_s: list[float | None] = field(default_factory=list)  # per restart, the engine's restore (its log)
     ready_s: list[float] = field(default_factory=list)  # each start's time to /health 200
     drop_method: str | None = None
     block_files: int = 0
@@ -169,6 +171,17 @@ class SizeResult:
         """The SSD tier's file-read throughput during the SSD request (its read_bytes / read_s)."""
         d = (self.ssd.tier_deltas.get("ssd") or {}) if self.ssd else {}
         return d["read_bytes"] / d["read_s"] / 1e9 if d.get("read_s") else None
+
+    @property
+    def ssd_file_gbps(self) -> dict[str, float | None]:
+        """The measured prompt's block files over the median SSD run's time: its restore in
+        the engine (from the server's log) and its client TTFT (a bound on the restore)."""
+        if not self.ssd_runs or not self.block_bytes:
+            return {"engine": None, "client": None}
+        restore_s = sorted(s for s in self.ssd_restore_s if s)
+        engine_s = restore_s[len(restore_s) // 2] if restore_s else None
+        return {"engine": self.block_bytes / engine_s / 1e9 if engine_s else None,
+                "client": self.block_bytes / self.ssd.ttft_s / 1e9 if self.ssd.ttft_s else None}
 
     @property
     def ready_median_s(self) -> float | None:
@@ -199,6 +212,7 @@ class SizeResult:
             "ssd_ttft_runs_s": [r.ttft_s for r in self.ssd_runs],
             "ssd_served_by": self.ssd.served_by if self.ssd else None,
             "ssd_read_gbps": self.ssd_read_gbps,
+            "ssd_restore_s": self.ssd_restore_s, "ssd_file_gbps": self.ssd_file_gbps,
             "ready_s": self.ready_s, "ready_median_s": self.ready_median_s,
             "meets_target": (None if self.target_tokens < TARGET_FROM_TOKENS or ratio(ssd, cold) is None
                              else ratio(ssd, cold) <= TARGET_SSD_SHARE),
@@ -345,10 +359,20 @@ def measure_size(setup: Setup, tokens: ChatTokens, label: str, num_tokens: int, 
             if resident is not None:
                 result.resident_before_ssd_request_bytes = max(resident, result.resident_before_ssd_request_bytes or 0)
             result.ssd_runs.append(asyncio.run(timed(server, f"ssd after restart {run}", messages)))
+            result.ssd_restore_s.append(logged_restore_s(server.log_path))
             result.cache_after_ssd = get_json(server.url, "/admin/api/cache")
         finally:
             result.server_exit_codes.append(server.stop(grace_s=60))
     return result
+
+
+RESTORED = re.compile(r"restored \d+ of \d+ prompt tokens \(.*?\) in ([\d.]+) s")
+
+
+def logged_restore_s(log_path: Path) -> float | None:
+    """Returns the seconds of the last restore a server logged (engine.py logs long ones)."""
+    found = RESTORED.findall(log_path.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -448,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nhost phase {r.label}: cold A {fmt(r.host[0].ttft_s, '.3f')} s, repeat A from host "
                   f"{fmt(s['host_ttft_s'], '.3f')} s ({fmt(_pct(s['host_over_cold']))}% of its cold), served by "
                   f"{s['host_served_by']}, {s['host_pinned_bytes'] / 2**30:.1f} GiB pinned; decision {s['host_decision']}")
+        if r.ssd_runs:
+            rates = s["ssd_file_gbps"]
+            print(f"\nSSD phase {r.label}: {r.block_bytes / 2**20:.0f} MiB of block files; restores in the engine "
+                  f"{r.ssd_restore_s} s ({fmt(rates['engine'])} GB/s of files), client TTFT "
+                  f"{fmt(r.ssd.ttft_s, '.3f')} s ({fmt(rates['client'])} GB/s); decision {s['ssd_decision']}")
         if r.error:
             print(f"\n{r.label}: {r.error}")
     return 0
