@@ -166,6 +166,8 @@ class Appliance:
         try:
             check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
+            if store is not None:
+                store.probe_ssd()  # the disk, now that the load no longer reads it
             layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
             expect(layout)
             engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher, thread=thread)

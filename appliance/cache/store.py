@@ -58,6 +58,10 @@ GENERIC = "generic"
 # Until measured, assume restores run at these speeds (bytes of KV as computed per second):
 # conservative for SSDs.
 DEFAULT_RATES = {MEMORY: 20e9, HOST: 5e9, SSD: 1e9, DEQUANTIZE: 5e9, GENERIC: 2.5e9}
+# A restore from host by the native kernel, until measured: 30-67 GB/s on an H100 at 16-4
+# bits (BENCHMARKS.md, "Host paths"). At DEFAULT_RATES' 5 GB/s, with the dequantizing on
+# top, a 25K-token SSD restore at 4 bits was priced 1.3 s above its read.
+NATIVE_HOST_RATE = 20e9
 WRITER_PENDING_BYTES = 1 << 30
 RATES_FILE = "rates.json"  # under the SSD root, beside index.sqlite
 # On CUDA (the native kernels' backend) the writer's queue holds device memory, not the
@@ -138,6 +142,7 @@ class KVStore:
         self._pin_lock = threading.Lock()  # pin_one: the start's pinning thread and idle engines
         self._start_pinning: threading.Thread | None = None
         self._closed = False
+        self._probing = False  # probe_ssd started
         self._lock = threading.Lock()  # guards _reading, and a read block's hand-over to host
         self._reading: dict[bytes, Future] = {}  # prefetch reads under way, by key (`_claim`)
         # Block files are read in parallel: a read's cost here is as much fresh memory
@@ -160,13 +165,21 @@ class KVStore:
         self.ssd = tier
         self.writer = SsdWriter(tier, max_pending_bytes=WRITER_PENDING_BYTES)
         self._load_rates()
-        if self.rates[SSD].value is None:
-            threading.Thread(target=self._probe_ssd, name="kv-ssd-probe", daemon=True).start()
+
+    def probe_ssd(self) -> None:
+        """Measures the SSD tier's read rate on a thread, once, unless a previous run's is
+        kept (RATES_FILE): from the blocks a previous run left, so that the first
+        restore-or-recompute decision after a start weighs the disk as it is, not a guess
+        (a decision for recompute would otherwise never read the disk to learn it). The
+        runtime calls it once a model has loaded: beside a load from the same disk, a probe
+        on an H100 machine read 0.71 GB/s of a disk that reads 1.7."""
+        with self._lock:
+            if self.ssd is None or self._probing or self.rates[SSD].value is not None:
+                return
+            self._probing = True
+        threading.Thread(target=self._probe_ssd, name="kv-ssd-probe", daemon=True).start()
 
     def _probe_ssd(self) -> None:
-        """Measures the SSD tier's read rate from the blocks a previous run left, so the
-        first restore-or-recompute decision after a start weighs the disk as it is, not a
-        guess (a decision for recompute would otherwise never read the disk to learn it)."""
         probed = self.ssd.probe_read(SSD_PROBE_BYTES, threads=PREFETCH_READERS)
         if probed is not None and self.rates[SSD].value is None:
             file_bytes, seconds = probed
@@ -427,8 +440,9 @@ class KVStore:
         if tier == SSD:
             native = self._pinned_share(nbytes)
             seconds += nbytes * (native / self.rates[HOST].bytes_per_s + (1 - native) / self.rates[GENERIC].bytes_per_s)
-            if self.kv_bits[SSD] != 16:
-                seconds += nbytes / self.rates[DEQUANTIZE].bytes_per_s
+            if self.kv_bits[SSD] != 16:  # the native kernel dequantizes as it moves: HOST's rate counts it
+                dequantized = 1 - native if self._native_up else 1.0
+                seconds += dequantized * nbytes / self.rates[DEQUANTIZE].bytes_per_s
         return seconds
 
     def _pinned_share(self, nbytes: int) -> float:
@@ -510,6 +524,7 @@ class KVStore:
         if (quantize or dequantize) and self._pool is None:
             self._pool = PinnedPool(keep_free_bytes=PINNED_AHEAD_BYTES, limit_bytes=self.host.budget_bytes)
         self._native_down, self._native_up = quantize, dequantize
+        self.rates[HOST].default = NATIVE_HOST_RATE if dequantize else DEFAULT_RATES[HOST]
         if self.writer is not None:
             self.writer.max_pending_bytes = NATIVE_WRITER_PENDING_BYTES if quantize else WRITER_PENDING_BYTES
         self._warm()

@@ -110,6 +110,8 @@ class ReopenCache(Action):
         store = await asyncio.to_thread(app.open_store, self.cache, new_dir) if moved else old_store
         if not moved and store is not None:  # same store, new block size: budgets may change too
             await asyncio.to_thread(resize, store, self.cache)
+        elif store is not None:
+            store.probe_ssd()  # its disk's read rate, for the models already loaded
         run.store = store  # models loaded later in this apply use the new store
         caches = {name: await asyncio.to_thread(app.model_cache, e.engine.loaded, store, self.cache, new_dir)
                   for name, e in app.models.items() if e.engine is not None}

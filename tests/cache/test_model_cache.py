@@ -33,6 +33,7 @@ class Rig:
                  ssd: int = 1 << 30):
         self.loaded = loaded
         self.store = KVStore(root=root, memory_bytes=memory, host_bytes=host, ssd_bytes=ssd)
+        self.store.probe_ssd()  # as the runtime does once a model has loaded
         self.cache = ModelCache(self.store, weights="ab" * 32, compute_dtype="float32",
                                 layout=probe_layout(loaded.model), block_tokens=BLOCK)
         self.pool = ThreadPoolExecutor(2)

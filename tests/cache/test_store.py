@@ -650,3 +650,45 @@ def test_a_start_pins_its_first_slots_without_waiting_for_an_idle_engine(tmp_pat
             assert store._start_pinning is started
         finally:
             store.close()
+
+
+def test_the_ssd_is_probed_once_when_asked_not_when_the_store_opens(tmp_path, caplog):
+    """A probe beside a model's load would measure the disk the load is reading: the
+    runtime asks for it once the model has loaded."""
+    first = open_store(tmp_path / "kv")
+    first.save(make_blocks(4))
+    assert first.flush(timeout_s=10)
+    first.close()
+    with caplog.at_level(logging.INFO, logger="omlx.cache"):
+        again = open_store(tmp_path / "kv")
+        try:
+            time.sleep(0.2)
+            assert "SSD tier reads" not in caplog.text
+            again.probe_ssd()
+            again.probe_ssd()
+            deadline = time.monotonic() + 10
+            while "SSD tier reads" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)
+            assert caplog.text.count("SSD tier reads") == 1
+        finally:
+            again.close()
+
+
+def test_a_native_ssd_restore_is_priced_at_the_native_rate_and_dequantizes_in_it(tmp_path, monkeypatch):
+    """With the native kernels on and pinned slots free, an SSD block moves up by the
+    kernel, which dequantizes as it moves: no dequantize on top, and until measured the
+    native rate, not the generic path's."""
+    monkeypatch.setattr(store_module, "PinnedPool", functools.partial(PinnedPool, allocate=PlainBuffer))
+    store = KVStore(root=tmp_path / "kv", memory_bytes=MIB, host_bytes=256 * MIB, ssd_bytes=MIB, ssd_kv_bits=4)
+    try:
+        store.use_native(quantize=False, dequantize=True)
+        assert store.rates[HOST].bytes_per_s == store_module.NATIVE_HOST_RATE
+        for _ in range(2):
+            store._pool.reserve_one(32 * MIB)
+        store.rates[SSD].value, store.rates[HOST].value, store.rates["dequantize"].value = 1e9, 10e9, 4e9
+        assert store.restore_s(SSD, 10**8) == pytest.approx(0.11)  # read, move up
+        store.use_native(quantize=False, dequantize=False)
+        assert store.restore_s(SSD, 10**8) == pytest.approx(0.135)  # read, move up, dequantize
+    finally:
+        store.close()
