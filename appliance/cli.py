@@ -61,6 +61,10 @@ def run_serve(args: argparse.Namespace) -> int:
     loaded = load_or_report(args.config)
     if loaded is None:
         return 1
+    from appliance.models import preload
+
+    platform.configure_logging()  # the preload's lines too
+    preload.start(loaded)  # the default model's weights, while the server's imports run (CUDA)
     from appliance.server.runner import serve
 
     status = serve(loaded)

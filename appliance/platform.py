@@ -14,6 +14,11 @@ from pathlib import Path
 
 log = logging.getLogger("omlx.platform")
 
+
+def configure_logging() -> None:
+    """Sends omlx's log lines (INFO and up) to standard error, once per process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",

@@ -95,7 +95,7 @@ case ",$STEPS," in *,ready,*)
   # fills it where a fresh machine has it empty; then two later starts: imports profiled,
   # and with the warm-up after the load instead of beside it (its parts unshared).
   ready() { step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 "$@" 2>&1 \
-    | grep -E '"(start_to_ready|model_load|stand_in_warm_up|stand_in_end_after_load|process_to_first_log_line|warm_up)_s"|warmed up'; }
+    | grep -E '"(start_to_ready|model_load|stand_in_warm_up|stand_in_end_after_load|process_to_first_log_line|warm_up|weights_preload|weights_preloaded_after_start)_s"|warmed up|preload'; }
   ready --fresh-kernel-caches --out "$OUT/ready.json"
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"

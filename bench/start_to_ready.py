@@ -63,7 +63,11 @@ def phases(log: str, *, spawned_at: float, ready_at: float) -> dict:
 
     first, loaded, warm = at(r"."), at(r"loaded from .* in [0-9.]+ s"), at(r"warmed up in [0-9.]+ s")
     stand_in = at(r"warmed up beside its load, on a .* in [0-9.]+ s")
+    preloaded = at(r"preloaded by .* in [0-9.]+ s")
     out = {}
+    if preloaded:  # the default model's weights, read while the server's imports ran (models/preload.py)
+        out["weights_preload_s"] = preloaded[1]
+        out["weights_preloaded_after_start_s"] = preloaded[0] - spawned_at
     if stand_in:  # on the engine's thread, during the load: it ends before the model's own warm-up
         out["stand_in_warm_up_s"] = stand_in[1]
         if loaded:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from appliance.models import preload
 from appliance.models.weights import load_weights, weight_files
 from appliance.platform import resolve_dtype
 from appliance.spec import ModelSpec
@@ -69,11 +70,12 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
     path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
     with contextlib.suppress(OSError):  # the KV cache's key, hashed while the weights load
         start_fingerprint(path, memo_dir=cache_dir)
-    if beside is not None:
+    pending = preload.claim()  # the weights `omlx serve` began to read at its start
+    if beside is not None and not preload.done(pending, spec.name, path):  # a load to work beside
         beside(path, dtype)
     weights_s = 0.0  # reading and evaluating the weights, not building the model or its tokenizer
     if mx.cuda.is_available():  # the weights read through pinned memory (models/weights.py)
-        weights = load_weights(weight_files(path))
+        weights = preload.weights_of(pending, spec.name, path) or load_weights(weight_files(path))
         loader, weights_s = weights.loader, weights.load_s
         model, tokenizer, config = load_with_weights(path, weights.arrays)
     else:  # mlx-lm's own lazy load, read by mx.load in the eval below

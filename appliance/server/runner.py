@@ -66,7 +66,7 @@ def warn_if_open(server: ServerSpec) -> None:
 
 def serve(config: LoadedConfig) -> int:
     """Serves `config` until SIGINT/SIGTERM (or a lost GPU); returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    platform.configure_logging()
     platform.log_blas_status()
     # The cache holds other people's prompts: everything omlx creates is this user's alone.
     os.umask(0o077)

@@ -1,0 +1,105 @@
+"""The default model's weights, read onto the device while `omlx serve` imports the rest of
+itself (CUDA only).
+
+A later start on an H100 spent 4.3-4.8 s importing (mlx-lm, and through it transformers:
+3.3 s) before its model's load could begin, then 2.2-4.0 s reading an 8B model's weights
+through pinned memory (models/weights.py): ready at the load + 5.4 s. `start` begins that
+read on a thread once the config is parsed, before those imports; `load_model` takes the
+weights (`claim`, `weights_of`) instead of reading them again.
+
+Only a local MLX directory is preloaded (a GGUF file converts and a repo downloads first:
+they load as before), only after the model's memory check passes, and only where the
+pinned path runs (CUDA). The first load claims the preload, whatever its model: weights
+nobody takes are freed then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from appliance.config import LoadedConfig
+
+log = logging.getLogger("omlx.models")
+
+
+class Preloaded(NamedTuple):
+    model: str  # the spec's name
+    path: Path  # its local MLX directory
+    weights: object  # models.weights.Weights
+
+
+_lock = threading.Lock()
+_pending: Future | None = None  # of Preloaded, or of None when nothing was preloaded
+
+
+def start(config: LoadedConfig) -> None:
+    """Starts reading the default model's weights onto the device on a thread of its own."""
+    global _pending
+    future: Future = Future()
+    with _lock:
+        _pending = future
+
+    def run() -> None:
+        try:
+            future.set_result(_preload(config))
+        except BaseException as e:  # the model's own load reports what is wrong with it
+            log.info("weights: no preload (%s: %s)", type(e).__name__, e)
+            future.set_result(None)
+
+    threading.Thread(target=run, name="weights-preload", daemon=True).start()
+
+
+def _preload(config: LoadedConfig) -> Preloaded | None:
+    import mlx.core as mx
+
+    from appliance import platform
+
+    if not mx.cuda.is_available():
+        return None
+    from appliance.models.memory import check_memory
+    from appliance.models.source import describe_source, materialize
+    from appliance.models.weights import load_weights, weight_files
+
+    spec, base_dir = config.spec, config.base_dir
+    model, cache_dir = spec.default_model, spec.cache.path(base_dir)
+    if describe_source(model.source, base_dir) != "mlx-dir":
+        return None
+    path = materialize(model.source, base_dir=base_dir, cache_dir=cache_dir, dtype="float32")  # as is
+    # What `serve` sets first, before anything touches the device: MLX reads both once.
+    platform.keep_compiled_kernels(cache_dir)
+    platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
+    check_memory(model, base_dir=base_dir, cache_dir=cache_dir)
+    weights = load_weights(weight_files(path))
+    log.info("weights: %s preloaded by %s, %.2f GB in %.2f s", model.name, weights.loader, weights.nbytes / 1e9,
+             weights.load_s)
+    return Preloaded(model.name, path, weights)
+
+
+def claim() -> Future | None:
+    """Returns the preload under way or done (a future of Preloaded or None), once: the
+    first load claims it."""
+    global _pending
+    with _lock:
+        pending, _pending = _pending, None
+    return pending
+
+
+def weights_of(pending: Future | None, model: str, path: Path):
+    """Returns the weights `pending` preloaded for `model` at `path` (waiting for them),
+    else None."""
+    if pending is None:
+        return None
+    preloaded = pending.result()
+    if preloaded is None or preloaded.model != model or preloaded.path != path:
+        return None
+    return preloaded.weights
+
+
+def done(pending: Future | None, model: str, path: Path) -> bool:
+    """Returns whether `pending` holds `model`'s weights already: no load to work beside."""
+    return pending is not None and pending.done() and weights_of(pending, model, path) is not None

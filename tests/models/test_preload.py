@@ -1,0 +1,86 @@
+"""appliance/models/preload.py: the default model's weights, read while `omlx serve` imports."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from appliance.config import LoadedConfig, load_spec
+from appliance.models import preload
+from appliance.models.loaded import load_model
+from appliance.models.weights import load_mlx, weight_files
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config_of(tmp_path: Path, source: Path | str) -> LoadedConfig:
+    path = tmp_path / "omlx.toml"
+    path.write_text(f'[[models]]\nname = "smollm2-135m"\nsource = "{source}"\nmax_context_tokens = 2048\n\n'
+                    f'[cache]\ndir = "{tmp_path / "cache"}"\n')
+    return load_spec(path)
+
+
+def preloaded(config: LoadedConfig) -> preload.Preloaded | None:
+    preload.start(config)
+    pending = preload.claim()
+    assert preload.claim() is None  # the first load claims it, once
+    return pending.result(timeout=120)
+
+
+def test_off_cuda_nothing_is_preloaded(tmp_path: Path, model_dir: Path):
+    if mx.cuda.is_available():
+        pytest.skip("this is CUDA")
+    assert preloaded(config_of(tmp_path, model_dir)) is None
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """The preload's CUDA path on this machine: the pinned loader then fails for want of a
+    driver, and the weights are read by mx.load, as that path's fallback reads them."""
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+
+
+def test_the_default_model_s_weights_are_read_and_its_load_takes_them(tmp_path: Path, model_dir: Path, as_on_cuda,
+                                                                    caplog):
+    config = config_of(tmp_path, model_dir)
+    preload.start(config)
+    with caplog.at_level(logging.INFO, logger="omlx.models"):
+        loaded = load_model(config.spec.default_model, base_dir=config.base_dir,
+                            cache_dir=config.spec.cache.path(config.base_dir))
+    assert "smollm2-135m preloaded by mx.load" in caplog.text
+    assert caplog.text.count("loading them with mx.load") == 1  # read once: the load took the preload
+    want = load_mlx(weight_files(model_dir))
+    got = dict(tree_flatten(loaded.model.parameters()))
+    assert all(mx.array_equal(got[name], want[name]).item() for name in ("model.embed_tokens.weight",
+                                                                        "model.norm.weight"))
+
+
+def test_a_gguf_source_is_not_preloaded(tmp_path: Path, gguf_path: Path, as_on_cuda):
+    assert preloaded(config_of(tmp_path, gguf_path)) is None  # it converts first, in the load
+
+
+def test_a_model_that_does_not_fit_is_not_preloaded(tmp_path: Path, model_dir: Path, as_on_cuda, monkeypatch,
+                                                    caplog):
+    monkeypatch.setattr("appliance.models.memory.free_bytes", lambda: 1 << 20)
+    with caplog.at_level(logging.INFO, logger="omlx.models"):
+        assert preloaded(config_of(tmp_path, model_dir)) is None
+    assert "no preload (MemoryError" in caplog.text
+
+
+def test_a_load_takes_only_the_weights_of_its_own_model_and_path():
+    done: Future = Future()
+    done.set_result(preload.Preloaded("a", Path("/m/a"), "weights of a"))
+    assert preload.weights_of(done, "a", Path("/m/a")) == "weights of a"
+    assert preload.done(done, "a", Path("/m/a")) and not preload.done(done, "b", Path("/m/a"))
+    assert preload.weights_of(done, "b", Path("/m/a")) is None
+    assert preload.weights_of(done, "a", Path("/m/b")) is None
+    assert preload.weights_of(None, "a", Path("/m/a")) is None
+    nothing: Future = Future()
+    nothing.set_result(None)
+    assert preload.weights_of(nothing, "a", Path("/m/a")) is None
+    assert not preload.done(nothing, "a", Path("/m/a")) and not preload.done(Future(), "a", Path("/m/a"))
