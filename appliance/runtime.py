@@ -34,6 +34,7 @@ from appliance.spec import CacheSpec, ModelSpec
 PROBE = object()  # model_cache: probe the layout
 FINGERPRINT_WAIT_S = 1.0  # past this, the KV cache attaches after readiness
 KERNEL_WARM_WAIT_S = 30.0  # readiness waits this long at most for the native KV kernels to compile
+PIN_START_WAIT_S = 5.0  # and for the start's pinned slots (2 GiB: 0.9-1.6 s on an H100 machine)
 
 log = logging.getLogger("omlx.runtime")
 
@@ -150,7 +151,7 @@ class Appliance:
                 store.expect_layout(dtype=layout.dtype, k_dim=layout.k_head_dim, v_dim=layout.v_head_dim)
                 layouts.append(layout)
 
-        def pin_ahead() -> None:  # after the stand-in's warm-up, beside the rest of the load
+        def pin_ahead() -> None:  # after the stand-in's warm-up or the load (the first starts it)
             if store is not None and layouts:
                 try:
                     store.expect_blocks(*block_payloads(layouts[-1], spec.cache.block_tokens, store))
@@ -170,6 +171,7 @@ class Appliance:
                 store.probe_ssd()  # the disk, now that the load no longer reads it
             layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
             expect(layout)
+            pin_ahead()  # unless the stand-in's layout started it: beside the warm-up, not the first request
             engine = Engine(loaded, spec.batching, cache=None, prefetcher=self._prefetcher, thread=thread)
             entry.engine = engine.start_warm()  # ready only once a first request's work has run
             engine.on_finished = functools.partial(self._request_finished, entry.spec.name)
@@ -177,6 +179,8 @@ class Appliance:
             self._attach_cache(engine, store, spec.cache, cache_dir, layout)
             if store is not None and not store.wait_warm(KERNEL_WARM_WAIT_S):
                 log.warning("model %s: its native KV kernels are still compiling", entry.spec.name)
+            if store is not None:
+                store.wait_start_pinning(PIN_START_WAIT_S)
             entry.state = "ready"
         except Exception as e:  # a model that cannot load must not take the others down
             thread.close()  # a warm-up beside the load ends with its job

@@ -592,6 +592,16 @@ class KVStore:
                                                    daemon=True)
         self._start_pinning.start()
 
+    def wait_start_pinning(self, timeout_s: float) -> bool:
+        """Waits for the start's pinning (`_pin_start`) to end; returns whether it did. Beside
+        a first request it slows the request's SSD reads: on an H100 a restore right after
+        readiness ran while 2 GiB were pinned, reading 0.69 GB/s of a disk that reads 2.29."""
+        pinning = self._start_pinning
+        if pinning is None:
+            return True
+        pinning.join(timeout_s)
+        return not pinning.is_alive()
+
     def _pin_until_start_bytes(self) -> None:
         started = time.perf_counter()
         while not self._closed and self._pool.total_bytes < START_PINNED_BYTES and self.wants_pinned():

@@ -692,3 +692,17 @@ def test_a_native_ssd_restore_is_priced_at_the_native_rate_and_dequantizes_in_it
         assert store.restore_s(SSD, 10**8) == pytest.approx(0.135)  # read, move up, dequantize
     finally:
         store.close()
+
+
+def test_readiness_can_wait_for_the_start_s_pinning(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "START_PINNED_BYTES", 4 * MIB)
+    monkeypatch.setattr(store_module, "PinnedPool", functools.partial(PinnedPool, allocate=PlainBuffer))
+    store = KVStore(root=tmp_path / "kv", memory_bytes=MIB, host_bytes=16 * MIB, ssd_bytes=MIB)
+    try:
+        assert store.wait_start_pinning(0.0)  # none started
+        store.use_native(quantize=True, dequantize=True)
+        store.expect_blocks(MIB)
+        assert store.wait_start_pinning(10)
+        assert store.stats()[HOST]["pinned_bytes"] == 4 * MIB
+    finally:
+        store.close()
