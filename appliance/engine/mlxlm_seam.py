@@ -21,6 +21,10 @@ any release:
   turning any amount of right padding into left padding.
 - `set_size` writes `BatchKVCache._idx`: the buffers hold a row's tokens at
   `[left_padding, _idx)` (see `update_and_fetch`), and `size()` returns `_idx`.
+- `model_classes` is `mlx_lm.utils._get_classes`; models/loaded.py `load_with_weights`
+  hands `mlx_lm.utils.load_model` a wrapper of it and relies on `load_model` passing
+  every tensor of the files through the model class's `sanitize` before anything reads
+  them (so that the weights read on CUDA replace the lazy ones).
 
 `UPSTREAM` records a hash of each of those functions' source; tests/engine/
 test_mlxlm_seam.py fails, naming what to re-check here, when an mlx-lm upgrade changes one.
@@ -68,6 +72,9 @@ UPSTREAM: dict[str, tuple[str, str]] = {
     "mlx_lm.models.cache.BatchKVCache.make_mask": ("17cab343ff407f6c", "BatchCache.make_mask"),
     "mlx_lm.models.cache.BatchKVCache.state": ("2aa53c9083b2f131", "BatchCache.state"),
     "mlx_lm.models.cache.BatchKVCache.size": ("773246b57fb78a8b", "set_size (size() still returns _idx)"),
+    "mlx_lm.utils._get_classes": ("c5f60582f151ad98", "model_classes, wrapped by models/loaded.py load_with_weights"),
+    "mlx_lm.utils.load_model": (
+        "7ee59ae12366f86b", "models/loaded.py load_with_weights: every tensor still through sanitize first"),
 }
 
 
@@ -81,6 +88,13 @@ def upstream_hash(name: str) -> str:
     else:
         source = inspect.getsource(getattr(obj, "__func__", obj))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """Returns the model class and its args class that a model's config names."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
 
 
 # --- BatchKVCache --------------------------------------------------------------------

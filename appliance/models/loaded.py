@@ -104,15 +104,17 @@ def load_with_weights(path: Path, arrays: dict[str, mx.array]) -> tuple[nn.Modul
     files, which are never evaluated. `arrays` is emptied as they are taken, so a weight
     that sanitize or the cast replaces is freed once its replacement is evaluated.
 
-    Relies on mlx-lm 0.32.2's `load_model` passing every tensor of the files to the model
-    class's `sanitize` (when it has one) before anything else reads them, and on its
-    private `_get_classes`, wrapped as `get_model_classes`."""
+    Relies on mlx-lm's `load_model` passing every tensor of the files to the model class's
+    `sanitize` (when it has one) before anything else reads them, and on its private
+    `_get_classes` (engine/mlxlm_seam.py `model_classes`, with both in its `UPSTREAM`)."""
     from mlx_lm import utils as mlx_lm_utils
+
+    from appliance.engine.mlxlm_seam import model_classes
 
     made: list[type] = []
 
     def classes(config: dict) -> tuple[type, type]:
-        model_class, args_class = mlx_lm_utils._get_classes(config)
+        model_class, args_class = model_classes(config)
         made.append(_taking(model_class, arrays))
         return made[-1], args_class
 
