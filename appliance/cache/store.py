@@ -584,7 +584,8 @@ class KVStore:
 
     def _pin_start(self) -> None:
         """Pins slots up to START_PINNED_BYTES on a thread of its own, once (when the native
-        kernels are on and block sizes known). Readiness does not wait for it."""
+        kernels are on and block sizes known); the runtime's readiness waits for it
+        (`wait_start_pinning`)."""
         with self._pin_lock:
             if self._start_pinning is not None or not self.wants_pinned():
                 return
