@@ -70,7 +70,7 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
     path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
     with contextlib.suppress(OSError):  # the KV cache's key, hashed while the weights load
         start_fingerprint(path, memo_dir=cache_dir)
-    pending = preload.claim()  # the weights `omlx serve` began to read at its start
+    pending = preload.claim(spec.name)  # the weights `omlx serve` began to read at its start
     if beside is not None and not preload.done(pending, spec.name, path):  # a load to work beside
         beside(path, dtype)
     weights_s = 0.0  # reading and evaluating the weights, not building the model or its tokenizer

@@ -9,8 +9,8 @@ weights (`claim`, `weights_of`) instead of reading them again.
 
 Only a local MLX directory is preloaded (a GGUF file converts and a repo downloads first:
 they load as before), only after the model's memory check passes, and only where the
-pinned path runs (CUDA). The first load claims the preload, whatever its model: weights
-nobody takes are freed then.
+pinned path runs (CUDA). The default model's load claims the preload; another model's
+load, before it in the config, neither waits for it nor drops it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Preloaded(NamedTuple):
 
 
 _lock = threading.Lock()
-_pending: Future | None = None  # of Preloaded, or of None when nothing was preloaded
+_pending: tuple[str, Future] | None = None  # the model's name; a future of Preloaded, or of None
 
 
 def start(config: LoadedConfig) -> None:
@@ -42,7 +42,7 @@ def start(config: LoadedConfig) -> None:
     global _pending
     future: Future = Future()
     with _lock:
-        _pending = future
+        _pending = (config.spec.default_model.name, future)
 
     def run() -> None:
         try:
@@ -80,12 +80,14 @@ def _preload(config: LoadedConfig) -> Preloaded | None:
     return Preloaded(model.name, path, weights)
 
 
-def claim() -> Future | None:
-    """Returns the preload under way or done (a future of Preloaded or None), once: the
-    first load claims it."""
+def claim(model: str) -> Future | None:
+    """Returns the preload of `model`'s weights, under way or done (a future of Preloaded
+    or None), once; None when there is none for it."""
     global _pending
     with _lock:
-        pending, _pending = _pending, None
+        if _pending is None or _pending[0] != model:
+            return None
+        (_, pending), _pending = _pending, None
     return pending
 
 

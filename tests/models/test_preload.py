@@ -27,8 +27,9 @@ def config_of(tmp_path: Path, source: Path | str) -> LoadedConfig:
 
 def preloaded(config: LoadedConfig) -> preload.Preloaded | None:
     preload.start(config)
-    pending = preload.claim()
-    assert preload.claim() is None  # the first load claims it, once
+    assert preload.claim("another-model") is None  # not its weights: left for the default model's load
+    pending = preload.claim("smollm2-135m")
+    assert preload.claim("smollm2-135m") is None  # the default model's load claims it, once
     return pending.result(timeout=120)
 
 
