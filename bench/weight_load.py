@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from appliance.models.weights import ALIGN, PinnedLoader, load_mlx, tensors  # noqa: E402
+from appliance.models.weights import ALIGN, PinnedLoader, load_mlx, tensors, weight_files  # noqa: E402
 from appliance.platform import limit_device_memory  # noqa: E402
 
 # A fresh process: omlx's first imports, then mlx-lm's import and MLX's load of the files,
@@ -100,7 +100,7 @@ def main() -> int:
     args = parser.parse_args()
 
     limit_device_memory()
-    files = sorted(args.model.glob("model*.safetensors"))
+    files = weight_files(args.model)
     listed = [t for f in files for t in tensors(f)]
     total = sum(t.nbytes for t in listed)
     largest = max(t.nbytes for t in listed)
