@@ -5,7 +5,8 @@ File layout (all integers little-endian):
     offset 0   8 bytes   MAGIC  b"OMLXKV\\r\\n"
     offset 8   u32       FORMAT_VERSION
     offset 12  u32       header_nbytes (JSON, padded with spaces so the payload starts
-                         at a multiple of PAYLOAD_ALIGN)
+                         at a multiple of PAYLOAD_ALIGN; files written before it was
+                         4096 have it at a multiple of 64, and are read whole)
     offset 16  header    {"key", "parent", "dir", "tokens", "meta",
                           "payload_nbytes", "checksum"}
     ...        payload   payload_nbytes raw bytes, nothing after them
@@ -23,15 +24,20 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
 
+_T = TypeVar("_T")
+
 MAGIC = b"OMLXKV\r\n"  # \r\n catches a file mangled by text-mode transfers
 FORMAT_VERSION = 2  # 2: "group" became "dir", and a first block's parent is the root key
 PRELUDE = struct.Struct("<8sII")  # magic, version, header_nbytes
-PAYLOAD_ALIGN = 64  # payload offset aligned for any dtype view over the read buffer
+DIRECT_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
+# The payload's offset: a page, so the payload is read on its own with O_DIRECT into a
+# buffer of its own size (read_block: a pinned slot the size a demoted block takes).
+PAYLOAD_ALIGN = DIRECT_ALIGN
 # Segments may not start with "." so a dir can never be "..", "." or a hidden dir.
 _DIR_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
 
@@ -125,12 +131,13 @@ def encode_head(block: Block) -> bytes:
     return PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
 
-def decode(data: memoryview, *, key: bytes, dir: str,
-           tokens: tuple[int, ...] | None) -> Block:
-    """Returns the verified block stored in `data` (a whole file); raises BlockError.
+def decode(data: memoryview, *, key: bytes, dir: str, tokens: tuple[int, ...] | None,
+           payload: memoryview | None = None) -> Block:
+    """Returns the verified block stored in `data` (a whole file; or its head, with the
+    rest in `payload`, as read_block reads it); raises BlockError.
 
-    The payload is a zero-copy view into `data`. `tokens=None` skips the token comparison
-    (imports, which have no caller expectation), never the checksum.
+    The payload is a zero-copy view into the bytes read. `tokens=None` skips the token
+    comparison (imports, which have no caller expectation), never the checksum.
     """
     if len(data) < PRELUDE.size:
         raise BlockError(TRUNCATED, "shorter than the prelude")
@@ -145,15 +152,16 @@ def decode(data: memoryview, *, key: bytes, dir: str,
     header = _parse_header(data[PRELUDE.size:start])
     if header["key"] != key.hex() or header["dir"] != dir:
         raise BlockError(FOREIGN, f"holds {header['dir']}/{header['key'][:16]}")
-    end = start + header["payload_nbytes"]
-    if len(data) < end:
-        raise BlockError(TRUNCATED, f"{len(data)} of {end} bytes")
-    if len(data) > end:
+    rest = data[start:] if payload is None else payload
+    nbytes = header["payload_nbytes"]
+    if len(rest) < nbytes:
+        raise BlockError(TRUNCATED, f"{start + len(rest)} of {start + nbytes} bytes")
+    if len(rest) > nbytes:
         raise BlockError(CORRUPT, "trailing bytes after the payload")
     stored_tokens = tuple(header["tokens"])
     if tokens is not None and stored_tokens != tuple(tokens):
         raise BlockError(TOKEN_MISMATCH)
-    payload = data[start:end]
+    payload = rest
     try:
         expected = checksum(stored_tokens, payload)
     except struct.error:  # token ids outside int64 cannot have been written by us
@@ -220,9 +228,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
-
-
 def read_file(path: Path, buffer: Callable[[int], memoryview | None] | None = None) -> memoryview:
     """Returns a whole file's bytes, read around the page cache where the OS allows, into
     `buffer(nbytes)` when given and it returns memory (e.g. pinned memory a GPU reads
@@ -231,41 +236,94 @@ def read_file(path: Path, buffer: Callable[[int], memoryview | None] | None = No
     A restored block is copied into the caller's memory anyway; staging it in the page
     cache as well costs a fresh page per 4 KiB read (and evicts useful pages). On Linux
     the file is read with O_DIRECT into an aligned buffer; where the filesystem refuses
-    that (tmpfs, some network mounts), with one ordinary read.
+    that (tmpfs, some network mounts), with ordinary reads.
     """
+    return _read(path, lambda fd: _read_whole(fd, buffer))
+
+
+def read_block(path: Path, buffer: Callable[[int], memoryview | None] | None = None
+               ) -> tuple[memoryview, memoryview | None]:
+    """Returns a block file as (head, payload) for decode: with a `buffer`, its payload is
+    read on its own into `buffer(nbytes)` (nbytes: the payload rounded up to a page), so it
+    fits a pinned slot the size of a payload, the slot a demoted block of the same
+    precision takes. Without one, or for a file whose payload does not start at a page
+    (written before PAYLOAD_ALIGN was one), the whole file is read at once: (file, None).
+    """
+    return _read(path, lambda fd: _read_parts(fd, buffer) if buffer is not None else (_read_whole(fd, None), None))
+
+
+def _read(path: Path, read: Callable[[int], _T]) -> _T:
+    """Returns `read(fd)` of `path` opened with O_DIRECT, else (refused) opened plainly."""
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | direct)
-            try:
-                return _read_direct(fd, buffer)
-            finally:
-                os.close(fd)
+            return _with_fd(path, direct, read)
         except OSError as e:  # EINVAL: refused at open or at the first read
             if e.errno != errno.EINVAL:
                 raise
-    with open(path, "rb", buffering=0) as f:
-        buf = buffer(os.fstat(f.fileno()).st_size) if buffer is not None else None
-        if buf is None:
-            return memoryview(f.read())  # FileIO.readall sizes its buffer from fstat
-        return buf[:f.readinto(buf)]
+    return _with_fd(path, 0, read)
 
 
-def _read_direct(fd: int, buffer: Callable[[int], memoryview | None] | None) -> memoryview:
+def _with_fd(path: Path, flags: int, read: Callable[[int], _T]) -> _T:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        return read(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_whole(fd: int, buffer: Callable[[int], memoryview | None] | None) -> memoryview:
     size = os.fstat(fd).st_size
-    padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
-    buf = buffer(padded) if buffer is not None else None
-    if buf is None:
-        raw = np.empty(padded + DIRECT_ALIGN, dtype=np.uint8)
-        start = -raw.ctypes.data % DIRECT_ALIGN
-        buf = memoryview(raw[start:start + padded])
+    buf = _buffer(_padded(size), buffer)
+    return buf[:_pread_into(fd, buf, 0, size)]
+
+
+def _read_parts(fd: int, buffer: Callable[[int], memoryview | None]) -> tuple[memoryview, memoryview | None]:
+    size = os.fstat(fd).st_size
+    first = _aligned(DIRECT_ALIGN)
+    got = _pread_into(fd, first, 0, DIRECT_ALIGN)
+    start = None
+    if got >= PRELUDE.size:
+        magic, _, header_nbytes = PRELUDE.unpack_from(first)
+        start = PRELUDE.size + header_nbytes if magic == MAGIC else None
+    if start is None or start % DIRECT_ALIGN or start > size:  # not a page-aligned payload: all at once
+        return _read_whole(fd, buffer), None
+    if start <= got:
+        head = first[:start]
+    else:
+        head = _aligned(start)
+        head = head[:_pread_into(fd, head, 0, start)]
+    nbytes = size - start
+    payload = _buffer(_padded(nbytes), buffer)
+    return head, payload[:_pread_into(fd, payload, start, nbytes)]
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, size: int) -> int:
+    """Reads up to `size` bytes at `offset` into `buf` (at least `size` long); returns how
+    many were read (fewer when the file is shorter: decode reports it truncated)."""
     done = 0
     while done < size:
-        n = os.preadv(fd, [buf[done:]], done)
+        n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
-            break  # the file shrank: decode() reports it truncated
+            break
         done += n
-    return buf[:done]
+    return min(done, size)
+
+
+def _buffer(nbytes: int, buffer: Callable[[int], memoryview | None] | None) -> memoryview:
+    """`buffer(nbytes)`, else (none given, or it has none) fresh page-aligned memory."""
+    buf = buffer(nbytes) if buffer is not None else None
+    return _aligned(nbytes) if buf is None else buf
+
+
+def _aligned(nbytes: int) -> memoryview:
+    raw = np.empty(nbytes + DIRECT_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % DIRECT_ALIGN
+    return memoryview(raw[start:start + nbytes])
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
 def read_tokens(path: Path, *, key: bytes, dir: str) -> tuple[int, ...] | None:

@@ -34,6 +34,7 @@ from appliance.cache.block import (
     encode_head,
     fsync_dir,
     is_valid_dir,
+    read_block,
     read_file,
     read_tokens,
     relative_path,
@@ -110,7 +111,7 @@ class SsdTier:
     def get(self, key: bytes, *, dir: str, tokens: Sequence[int],
             buffer: Callable[[int], memoryview | None] | None = None) -> Block | None:
         """Returns the verified block, or None (a counted miss; a bad file is removed).
-        The file is read into `buffer(nbytes)` when given (block.read_file).
+        The payload is read into `buffer(nbytes)` when given (block.read_block).
 
         Blocks the caller for one sequential read of the file and a crc32 over it.
         """
@@ -318,10 +319,11 @@ class SsdTier:
 
     def _load(self, entry: IndexEntry, tokens: tuple[int, ...] | None,
               buffer: Callable[[int], memoryview | None] | None = None) -> tuple[memoryview, Block] | None:
-        """Returns the file's bytes and its verified block, or None after dropping it."""
+        """Returns the file's bytes (its head alone when its payload was read apart into
+        `buffer`: block.read_block) and its verified block, or None after dropping it."""
         started = time.perf_counter()
         try:
-            data = read_file(self.root / entry.path, buffer)
+            data, payload = read_block(self.root / entry.path, buffer)
         except FileNotFoundError:
             self._drop(entry, MISSING, "file deleted behind the index")
             return None
@@ -330,11 +332,10 @@ class SsdTier:
             return None
         elapsed = time.perf_counter() - started
         with self._lock:
-            self._counters.read_bytes += len(data)
+            self._counters.read_bytes += len(data) + (len(payload) if payload is not None else 0)
             self._counters.read_s += elapsed
         try:
-            return data, decode(data, key=entry.key, dir=entry.dir,
-                                tokens=tokens)
+            return data, decode(data, key=entry.key, dir=entry.dir, tokens=tokens, payload=payload)
         except BlockError as e:
             self._drop(entry, e.reason, str(e))
             return None

@@ -348,7 +348,9 @@ class KVStore:
         if started is not None:
             started()
         count, nbytes, broken = 0, 0, False
-        for key, read in reads:
+        reads.reverse()
+        while reads:  # popped as handled: a read a restore has taken over keeps no pinned slot here
+            key, read = reads.pop()
             if broken:
                 read.cancel()  # the chain is broken: later blocks are useless
             block = self._result(read)

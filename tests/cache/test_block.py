@@ -17,6 +17,7 @@ from appliance.cache.block import (
     decode,
     encode_head,
     is_valid_dir,
+    read_block,
     read_file,
     relative_path,
 )
@@ -181,6 +182,58 @@ def test_read_file_reads_into_the_buffer_it_is_given(tmp_path):
     assert bytes(read) == data and read.obj is given[0].obj
     # No buffer to give (no free pinned slot): fresh aligned memory, still read directly.
     assert bytes(read_file(path, lambda nbytes: None)) == data
+
+
+def page_buffers(given: list[memoryview]):
+    import mmap
+
+    def buffer(nbytes: int) -> memoryview:
+        given.append(memoryview(mmap.mmap(-1, nbytes)))  # page-aligned, like a pinned slot
+        return given[-1]
+    return buffer
+
+
+@pytest.mark.parametrize("tokens", [(1, 2, 3), tuple(range(2000))])  # a head of one page, of two
+def test_read_block_reads_the_payload_alone_into_a_buffer_of_its_size(tmp_path, tokens):
+    """On CUDA the payload lands in a pinned slot the size a demoted block of the same
+    precision takes: the head is read apart, so it does not push the read into a bigger one."""
+    b = block(payload=os.urandom(3 * 4096 + 17), tokens=tokens)
+    path = tmp_path / "b.kv"
+    path.write_bytes(file_bytes(b))
+    given: list[memoryview] = []
+    head, payload = read_block(path, page_buffers(given))
+    assert [len(g) for g in given] == [4 * 4096] and payload.obj is given[0].obj
+    back = decode(head, key=KEY, dir=DIR, tokens=tokens, payload=payload)
+    assert bytes(back.payload) == bytes(b.payload) and back.tokens == tokens
+    # Without a buffer: one read of the whole file.
+    whole, rest = read_block(path)
+    assert rest is None and bytes(whole) == file_bytes(b)
+
+
+def test_read_block_reads_a_file_with_a_64_byte_aligned_payload_whole(tmp_path):
+    """Files written while PAYLOAD_ALIGN was 64 still restore."""
+    b = block()
+    raw = encode_head(b)[PRELUDE.size:].rstrip(b" ")
+    raw += b" " * (-(PRELUDE.size + len(raw)) % 64)
+    old = PRELUDE.pack(MAGIC, FORMAT_VERSION, len(raw)) + raw + bytes(b.payload)
+    assert (PRELUDE.size + len(raw)) % 4096  # the payload at a multiple of 64, not of a page
+    path = tmp_path / "b.kv"
+    path.write_bytes(old)
+    given: list[memoryview] = []
+    data, payload = read_block(path, page_buffers(given))
+    assert payload is None and bytes(data) == old
+    assert bytes(decode(data, key=KEY, dir=DIR, tokens=(1, 2, 3)).payload) == bytes(b.payload)
+
+
+def test_read_block_of_a_short_or_long_file_is_truncated_or_corrupt(tmp_path):
+    data = file_bytes(block())
+    path = tmp_path / "b.kv"
+    for cut, why in ((data[:-1], "truncated"), (data[:PRELUDE.size + 5], "truncated"), (data + b"\0", "corrupt")):
+        path.write_bytes(cut)
+        head, payload = read_block(path, page_buffers([]))
+        with pytest.raises(BlockError) as e:
+            decode(head, key=KEY, dir=DIR, tokens=(1, 2, 3), payload=payload)
+        assert e.value.reason == why
 
 
 def test_read_file_falls_back_to_an_ordinary_read_where_direct_io_is_refused(tmp_path, monkeypatch):

@@ -652,6 +652,29 @@ def test_a_start_pins_its_first_slots_without_waiting_for_an_idle_engine(tmp_pat
             store.close()
 
 
+def test_an_ssd_read_lands_in_a_free_slot_the_size_of_its_payload(tmp_path, monkeypatch):
+    """The start pins slots the size of a block's payload (expect_blocks), the slots demotes
+    take; a read from the SSD must land in one too, though its file holds a head as well:
+    else every SSD restore takes MLX's generic path."""
+    monkeypatch.setattr(store_module, "PinnedPool", functools.partial(PinnedPool, allocate=PlainBuffer))
+    store = KVStore(root=tmp_path / "kv", memory_bytes=8 * MIB, host_bytes=8 * MIB, ssd_bytes=64 * MIB)
+    try:
+        tokens = tuple(range(B))
+        rng = np.random.default_rng(0)
+        kv = [mx.array(rng.standard_normal((LAYERS, HEADS, B, 8192), dtype=np.float32)) for _ in range(2)]
+        block = KVBlock(SPACE.chain(list(tokens))[0], SPACE.root, DIR, tokens, *kv)  # a 1 MiB payload
+        store.save([block])
+        only_on_ssd(store)
+        store.use_native(quantize=False, dequantize=True)
+        assert store._pool.reserve_one(MIB)
+        assert store.prefetch([(block.key, tokens)], dir=DIR) == 1
+        read = store.host.get(block.key)
+        assert read.payload_nbytes == MIB and PinnedPool.owns(read.payload)
+        assert store.stats()[HOST]["pinned_free_bytes"] == 0
+    finally:
+        store.close()
+
+
 def test_the_ssd_is_probed_once_when_asked_not_when_the_store_opens(tmp_path, caplog):
     """A probe beside a model's load would measure the disk the load is reading: the
     runtime asks for it once the model has loaded."""
