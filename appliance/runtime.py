@@ -26,6 +26,7 @@ from appliance.engine.stand_in import stand_in_wanted, warm_up_stand_in
 from appliance.engine.thread import EngineThread
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
+from appliance.models import preload
 from appliance.models.fingerprint import start_fingerprint, weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
 from appliance.models.memory import check_memory
@@ -165,7 +166,8 @@ class Appliance:
                 thread.submit(pin_ahead)
 
         try:
-            check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
+            if not preload.memory_checked(entry.spec.name):  # a preload checked it before it read
+                check_memory(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir)
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
             if store is not None:
                 store.probe_ssd()  # the disk, now that the load no longer reads it

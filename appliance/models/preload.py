@@ -10,7 +10,9 @@ weights (`claim`, `weights_of`) instead of reading them again.
 Only a local MLX directory is preloaded (a GGUF file converts and a repo downloads first:
 they load as before), only after the model's memory check passes, and only where the
 pinned path runs (CUDA). The default model's load claims the preload; another model's
-load, before it in the config, neither waits for it nor drops it.
+load, before it in the config, neither waits for it nor drops it. The runtime's own memory
+check of the default model defers to the preload's (`memory_checked`): by then the
+weights it counts as needed may be on the device already.
 """
 
 from __future__ import annotations
@@ -35,26 +37,32 @@ class Preloaded(NamedTuple):
 
 _lock = threading.Lock()
 _pending: tuple[str, Future] | None = None  # the model's name; a future of Preloaded, or of None
+_checked: tuple[str, Future] | None = None  # the model's name; a future of whether its memory check passed
 
 
 def start(config: LoadedConfig) -> None:
     """Starts reading the default model's weights onto the device on a thread of its own."""
-    global _pending
+    global _pending, _checked
     future: Future = Future()
+    checked: Future = Future()
     with _lock:
         _pending = (config.spec.default_model.name, future)
+        _checked = (config.spec.default_model.name, checked)
 
     def run() -> None:
         try:
-            future.set_result(_preload(config))
+            future.set_result(_preload(config, checked))
         except BaseException as e:  # the model's own load reports what is wrong with it
             log.info("weights: no preload (%s: %s)", type(e).__name__, e)
             future.set_result(None)
+        finally:
+            if not checked.done():
+                checked.set_result(False)
 
     threading.Thread(target=run, name="weights-preload", daemon=True).start()
 
 
-def _preload(config: LoadedConfig) -> Preloaded | None:
+def _preload(config: LoadedConfig, checked: Future) -> Preloaded | None:
     import mlx.core as mx
 
     from appliance import platform
@@ -74,10 +82,24 @@ def _preload(config: LoadedConfig) -> Preloaded | None:
     platform.keep_compiled_kernels(cache_dir)
     platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
     check_memory(model, base_dir=base_dir, cache_dir=cache_dir)
+    checked.set_result(True)
     weights = load_weights(weight_files(path))
     log.info("weights: %s preloaded by %s, %.2f GB in %.2f s", model.name, weights.loader, weights.nbytes / 1e9,
              weights.load_s)
     return Preloaded(model.name, path, weights)
+
+
+def memory_checked(model: str) -> bool:
+    """Returns whether a preload of `model`'s weights passed its memory check, waiting for
+    that check (it comes first, moments after `start`); once. Such weights are on their way to
+    the device, where a second check would count them against the model itself: on an
+    H100 a 70B model's restart failed that way, with 30 of its 36 GiB preloaded."""
+    global _checked
+    with _lock:
+        if _checked is None or _checked[0] != model:
+            return False
+        (_, checked), _checked = _checked, None  # once: a later load of the model checks again
+    return checked.result()
 
 
 def claim(model: str) -> Future | None:

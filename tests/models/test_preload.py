@@ -85,3 +85,27 @@ def test_a_load_takes_only_the_weights_of_its_own_model_and_path():
     nothing.set_result(None)
     assert preload.weights_of(nothing, "a", Path("/m/a")) is None
     assert not preload.done(nothing, "a", Path("/m/a")) and not preload.done(Future(), "a", Path("/m/a"))
+
+
+def test_the_runtime_defers_to_the_preload_s_memory_check_once(tmp_path: Path, model_dir: Path, as_on_cuda,
+                                                                 monkeypatch):
+    """The weights a preload reads are on the device by the runtime's own check, which
+    would count them against the model itself."""
+    config = config_of(tmp_path, model_dir)
+    preload.start(config)
+    assert not preload.memory_checked("another-model")
+    assert preload.memory_checked("smollm2-135m")
+    assert not preload.memory_checked("smollm2-135m")  # a later load of it checks again
+    preload.claim("smollm2-135m").result(timeout=120)
+    monkeypatch.setattr("appliance.models.memory.free_bytes", lambda: 1 << 20)
+    preload.start(config)  # a model that does not fit: the runtime's check runs and says so
+    assert not preload.memory_checked("smollm2-135m")
+    assert preload.claim("smollm2-135m").result(timeout=120) is None
+
+
+def test_off_cuda_the_runtime_checks_memory_itself(tmp_path: Path, model_dir: Path):
+    if mx.cuda.is_available():
+        pytest.skip("this is CUDA")
+    preload.start(config_of(tmp_path, model_dir))
+    assert not preload.memory_checked("smollm2-135m")
+    preload.claim("smollm2-135m").result(timeout=120)
