@@ -249,7 +249,7 @@ def read_block(path: Path, buffer: Callable[[int], memoryview | None] | None = N
     precision takes. Without one, or for a file whose payload does not start at a page
     (written before PAYLOAD_ALIGN was one), the whole file is read at once: (file, None).
     """
-    return _read(path, lambda fd: _read_parts(fd, buffer) if buffer is not None else (_read_whole(fd, None), None))
+    return _read(path, lambda fd: _read_parts(fd, buffer))
 
 
 def _read(path: Path, read: Callable[[int], _T]) -> _T:
@@ -278,7 +278,10 @@ def _read_whole(fd: int, buffer: Callable[[int], memoryview | None] | None) -> m
     return buf[:_pread_into(fd, buf, 0, size)]
 
 
-def _read_parts(fd: int, buffer: Callable[[int], memoryview | None]) -> tuple[memoryview, memoryview | None]:
+def _read_parts(fd: int, buffer: Callable[[int], memoryview | None] | None
+                ) -> tuple[memoryview, memoryview | None]:
+    if buffer is None:  # fresh memory either way: one read
+        return _read_whole(fd, None), None
     size = os.fstat(fd).st_size
     first = _aligned(DIRECT_ALIGN)
     got = _pread_into(fd, first, 0, DIRECT_ALIGN)

@@ -388,8 +388,8 @@ class KVStore:
         return self.ssd.get(key, dir=dir, tokens=tokens, buffer=buffer)
 
     def _pinned(self, nbytes: int) -> memoryview | None:
-        """A pinned slot when one is free, else None: the file is read into fresh
-        (aligned) memory, and the generic path restores it."""
+        """A pinned slot for a block's payload when one is free, else None: the payload is
+        read into fresh (aligned) memory, and the generic path restores it."""
         taken = self._pool.take(nbytes, allocate=False)
         return taken[0] if taken is not None else None
 

@@ -165,25 +165,6 @@ def test_read_file_returns_every_byte_whatever_the_size(tmp_path, size):
     assert bytes(read_file(path)) == data
 
 
-def test_read_file_reads_into_the_buffer_it_is_given(tmp_path):
-    """The SSD tier reads into pinned memory this way on CUDA (page-aligned, for O_DIRECT)."""
-    import mmap
-
-    data = os.urandom(3 * 4096 + 17)
-    path = tmp_path / "b.kv"
-    path.write_bytes(data)
-    given = []
-
-    def buffer(nbytes: int) -> memoryview:
-        given.append(memoryview(mmap.mmap(-1, nbytes)))  # page-aligned, like a pinned slot
-        return given[-1]
-
-    read = read_file(path, buffer)
-    assert bytes(read) == data and read.obj is given[0].obj
-    # No buffer to give (no free pinned slot): fresh aligned memory, still read directly.
-    assert bytes(read_file(path, lambda nbytes: None)) == data
-
-
 def page_buffers(given: list[memoryview]):
     import mmap
 
@@ -191,6 +172,19 @@ def page_buffers(given: list[memoryview]):
         given.append(memoryview(mmap.mmap(-1, nbytes)))  # page-aligned, like a pinned slot
         return given[-1]
     return buffer
+
+
+def test_read_file_reads_into_the_buffer_it_is_given(tmp_path):
+    """A whole file into a page-aligned buffer (as O_DIRECT wants it); a block's payload
+    alone goes to pinned memory this way on CUDA (read_block)."""
+    data = os.urandom(3 * 4096 + 17)
+    path = tmp_path / "b.kv"
+    path.write_bytes(data)
+    given: list[memoryview] = []
+    read = read_file(path, page_buffers(given))
+    assert bytes(read) == data and read.obj is given[0].obj
+    # No buffer to give (no free pinned slot): fresh aligned memory, still read directly.
+    assert bytes(read_file(path, lambda nbytes: None)) == data
 
 
 @pytest.mark.parametrize("tokens", [(1, 2, 3), tuple(range(2000))])  # a head of one page, of two
