@@ -151,6 +151,9 @@ class ModelSpec(Frozen):
     default_max_tokens: int = Field(512, ge=1)
     # Default for requests that name no temperature (Codex sends none); None: the APIs' 1.0.
     default_temperature: float | None = Field(None, ge=0, le=2)
+    # One matmul for each layer's q/k/v projections and one for gate/up (models/fuse.py):
+    # less host work per decode pass. "auto": on CUDA, where a decode pass is host-bound.
+    fuse_projections: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _beyond_needs_a_limit(self) -> ModelSpec:
