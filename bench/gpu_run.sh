@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights
+#                                  # change,graphs,readyspy,weights,decodehost
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -85,6 +85,12 @@ case ",$STEPS," in *,graphs,*)  # the same decode pass at two speeds (8-10 or 14
       --out "$OUT/batch_change-graphs$graphs.json" 2>&1 | cut -c1-400 | tail -8
   done
   kill $smi ;; esac
+case ",$STEPS," in *,decodehost,*)  # item 5: where an N-row decode pass's time goes on the host (build, submit,
+  # wait), in variants (DECODE_ARGS); then padded against fused at 8 rows with MLX's CUDA graphs off
+  step python3 bench/decode_host.py --shape 8b --tokenizer .gpu/tok ${DECODE_ARGS:---rows 1,8,32} \
+    --out "$OUT/decode_host.json" 2>&1 | cut -c1-420 | tail -60
+  MLX_USE_CUDA_GRAPHS=0 step python3 bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 \
+    --variants padded,fused --out "$OUT/decode_host-nographs.json" 2>&1 | cut -c1-420 | tail -8 ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
     | tail -150 ;; esac
