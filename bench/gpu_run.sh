@@ -57,7 +57,8 @@ case ",$STEPS," in *,host,*)
   step python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,kernels,*)
   step python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py \
-    tests/kernels/test_nvrtc.py tests/kernels/test_cubins.py tests/kernels/test_cuda_driver.py tests/models/test_weights.py::test_on_cuda_every_tensor_is_copied_bit_for_bit tests/models/test_weights.py::test_on_cuda_a_read_failing_midway_falls_back_to_mx_load 2>&1 | tail -30 ;; esac
+    tests/kernels/test_nvrtc.py tests/kernels/test_cubins.py tests/kernels/test_cuda_driver.py tests/models/test_weights.py::test_on_cuda_every_tensor_is_copied_bit_for_bit tests/models/test_weights.py::test_on_cuda_a_read_failing_midway_falls_back_to_mx_load \
+    tests/models/test_fuse.py::test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits 2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,attention,*)  # what a new attention shape costs (cuDNN graphs)
   step python3 bench/attention_graphs.py --shape 8b --out "$OUT/attention_graphs.json" 2>&1 | tail -20 ;; esac
 case ",$STEPS," in *,save,*)

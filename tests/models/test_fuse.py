@@ -94,3 +94,31 @@ def test_auto_fuses_on_cuda_only(model):
     assert fuse_wanted("auto") == mx.cuda.is_available()
     assert fuse_as_asked(model, "off") == 0 and "qkv_proj" not in model.model.layers[0].self_attn
     assert fuse_as_asked(model, "on") > 0
+
+
+def test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits():
+    """A generated Llama-shaped model in bfloat16 (as GPUs run it), a prompt then two
+    decode steps through a KV cache: the parts' outputs are views of the fused one, which
+    the keys and values go into the cache from (run on a GPU by bench/gpu_run.sh kernels)."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+              "rope_theta": 10000.0}
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+
+    def run() -> list[mx.array]:
+        cache = make_prompt_cache(model)
+        out = [model(PROMPTS[:, :5] % 512, cache=cache)]
+        for token in (7, 11):
+            out.append(model(mx.array([[token], [token + 1]]), cache=cache))
+        return [o.astype(mx.float32) for o in out]
+
+    before = run()
+    assert fuse_projections(model) == 4
+    for a, b in zip(before, run(), strict=True):
+        assert mx.allclose(a, b, rtol=2e-2, atol=2e-2).item(), mx.abs(a - b).max().item()
