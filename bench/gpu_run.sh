@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights,decodehost
+#                                  # change,graphs,readyspy,weights,decodehost,matmulhost
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -92,6 +92,8 @@ case ",$STEPS," in *,decodehost,*)  # item 5: where an N-row decode pass's time 
     --out "$OUT/decode_host.json" 2>&1 | cut -c1-420 | tail -60
   MLX_USE_CUDA_GRAPHS=0 step python3 bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 \
     --variants padded,fused --out "$OUT/decode_host-nographs.json" 2>&1 | cut -c1-420 | tail -8 ;; esac
+case ",$STEPS," in *,matmulhost,*)  # item 5: what one matmul costs MLX CUDA's host, by rows (an upstream repro)
+  step python3 bench/matmul_host.py --out "$OUT/matmul_host.json" 2>&1 | tail -12 ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
     | tail -150 ;; esac
