@@ -2,9 +2,9 @@
 
 On MLX CUDA a decode pass of a few rows is bound by the host, not the GPU: the host
 builds and submits each pass's ops while the GPU waits for them (an 8B model at 8 rows
-on an H100: 0.2-0.4 ms of a 10 ms pass waiting on the GPU, BENCHMARKS.md "a decode
-pass's host time"), and each matmul of more than one row costs the host a cuBLASLt
-plan (a descriptor and a heuristic query, every call). A Llama-style layer has seven
+on an H100: 0.2-0.4 ms of a 10 ms pass waiting on the GPU; BENCHMARKS.md, "a decode
+pass is host-bound"), and MLX builds a cuBLASLt matmul for each matmul of more than one
+row at every call (~21 us of host time each there). A Llama-style layer has seven
 matmuls: q, k and v read the same input, and so do gate and up. Fused, they are four,
 with the same arithmetic: the weights are concatenated by output rows (for a quantized
 layer its scales and biases too, whose groups run along the input), the fused output
@@ -20,7 +20,6 @@ model's parameters hold each weight once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,7 +88,7 @@ def fuse_projections(model: nn.Module) -> int:
     weights are evaluated before the next is fused, so the copies in flight are one
     group's."""
     fused = 0
-    for parent in list(_modules(model)):
+    for parent in [m for _, m in model.named_modules()]:
         for name, members in GROUPS.items():
             linears = [parent.get(m) for m in members]
             if name in parent or not _alike(linears):
@@ -103,10 +102,6 @@ def fuse_projections(model: nn.Module) -> int:
                 object.__setattr__(parent, member, Part(group, i))
             fused += 1
     return fused
-
-
-def _modules(model: nn.Module) -> Iterator[nn.Module]:
-    return (m for _, m in model.named_modules())
 
 
 def _alike(linears: list) -> bool:
