@@ -10,11 +10,12 @@ waiting for the pass before it (`wait`); `cpu` is the thread's CPU time in the s
 host-bound pass has `wait` near 0 and `cpu` near the step.
 
 Variants, each on the same prompts in one process: `padded` (rows of different lengths:
-attention with an array mask, MLX CUDA's unfused path), `equal` (rows of one length: no
-mask, the fused kernel), `fused` (padded, each layer's q/k/v and gate/up projections one
-matmul each: appliance/models/fuse.py), `nogc` (padded, Python's collector off), `pinned` (padded, this
-thread held to one CPU), `busy` (padded, a Python thread beside it holding the GIL in
-slices, as an event loop serving streams would).
+attention with an array mask, MLX CUDA's unfused path), `equal` (rows of one length,
+which mlx-lm's BatchKVCache masks all the same), `fused` (padded, each layer's q/k/v
+and gate/up projections one matmul each: appliance/models/fuse.py), `nogc` (padded,
+Python's collector off), `pinned` (padded, this thread held to one CPU), `busy`
+(padded, a Python thread beside it holding the GIL in slices, as an event loop serving
+streams would).
 
     python bench/decode_host.py --shape 8b --tokenizer .gpu/tok --out OUT.json   # GPU
     .venv/bin/python bench/decode_host.py --shape tiny --steps 16 --rows 2 --variants padded,equal  # CPU

@@ -28,7 +28,7 @@ def logits(model: nn.Module) -> mx.array:
 def greedy(model: nn.Module, tokens: int = 12) -> list[int]:
     from mlx_lm.generate import generate_step
 
-    return [t for (t, _), _ in zip(generate_step(PROMPTS[0], model, max_tokens=tokens), range(tokens), strict=False)]
+    return [t for t, _ in generate_step(PROMPTS[0], model, max_tokens=tokens)]
 
 
 def fused_groups(model: nn.Module) -> list[Fused]:

@@ -37,17 +37,17 @@ def test_a_config_without_a_trained_length_falls_back():
     assert context_tokens(spec(max_context_tokens=1000), {}) == 1000
 
 
-def test_a_model_asked_to_fuse_its_projections_loads_fused(loaded_model, caplog):
+def test_a_model_asked_to_fuse_its_projections_loads_fused(gguf_path, loaded_model, caplog):
     import mlx.core as mx
 
     from appliance.models.fuse import Part
     from appliance.models.loaded import load_model
-    from tests.conftest import MODEL_GGUF, REPO, TEST_CACHE
+    from tests.models.conftest import REPO_ROOT, TEST_CACHE_DIR
 
     prompt = mx.array([[1, 504, 2114, 314, 253, 1789, 30]])
     with caplog.at_level(logging.INFO, logger="omlx.models"):
-        fused = load_model(ModelSpec(name="fused", source=str(MODEL_GGUF), fuse_projections="on"),
-                           base_dir=REPO, cache_dir=TEST_CACHE)
+        fused = load_model(ModelSpec(name="fused", source=str(gguf_path), fuse_projections="on"),
+                           base_dir=REPO_ROOT, cache_dir=TEST_CACHE_DIR)
     assert isinstance(fused.model.model.layers[0].self_attn.k_proj, Part)
     assert "60 projection groups fused" in caplog.text  # 30 layers: q/k/v and gate/up each
     assert mx.allclose(fused.model(prompt), loaded_model[0](prompt), atol=1e-4).item()
