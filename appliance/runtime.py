@@ -26,6 +26,7 @@ from appliance.engine.stand_in import stand_in_wanted, warm_up_stand_in
 from appliance.engine.thread import EngineThread
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
+from appliance.kernels.registry import switch as switch_kernels
 from appliance.models import preload
 from appliance.models.fingerprint import start_fingerprint, weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
@@ -133,7 +134,7 @@ class Appliance:
         store = KVStore(root=cache_dir / "kv", memory_bytes=cache.memory_bytes,
                         host_bytes=cache.host_bytes, ssd_bytes=cache.ssd_bytes,
                         host_kv_bits=cache.host_kv_bits, ssd_kv_bits=cache.ssd_kv_bits)
-        select_kernels(self.spec.kernels.model_dump(), store.use_native)
+        select_kernels(self.spec.kernels.model_dump(), functools.partial(switch_kernels, store))
         return store
 
     def load_into(self, entry: ModelEntry, config: LoadedConfig, *, store: KVStore | None = None) -> None:

@@ -226,6 +226,7 @@ class KernelsSpec(Frozen):
 
     kv_quantize: KernelChoice = "auto"
     kv_dequantize: KernelChoice = "auto"
+    small_matmul: KernelChoice = "auto"
 
     @model_validator(mode="after")
     def _native_exists(self) -> KernelsSpec:

@@ -25,7 +25,7 @@ def test_defaults_of_every_section():
     assert spec.cache == CacheSpec(dir="~/.omlx/cache", block_tokens=256, memory_gb=2.0,
                                    host_gb=4.0, ssd_gb=50.0)
     assert spec.batching == BatchingSpec(max_running=8, max_queued=64, prefill_chunk_tokens=512)
-    assert spec.kernels == KernelsSpec(kv_quantize="auto", kv_dequantize="auto")
+    assert spec.kernels == KernelsSpec(kv_quantize="auto", kv_dequantize="auto", small_matmul="auto")
     model = spec.models[0]
     assert (model.default, model.dtype, model.max_context_tokens, model.default_max_tokens) == (
         False, "auto", None, 512)

@@ -31,6 +31,7 @@ from appliance.engine.warm_up import Laps, described, warm_up
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
 from appliance.models.memory import room_beside
+from appliance.models.native_linear import native_linear_here
 from appliance.spec import BatchingSpec, ModelSpec
 
 log = logging.getLogger("omlx.engine")
@@ -66,6 +67,7 @@ def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
     with mx.stream(generation_stream):  # the loader's evaluations use the default stream
         mx.eval(model.parameters())
         fuse_as_asked(model, spec.fuse_projections)  # the model's own shapes
+        native_linear_here(model)  # and its own matmuls
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
                        context_tokens=context_tokens(spec, config), dtype=dtype or "checkpoint",

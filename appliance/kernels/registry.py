@@ -3,13 +3,15 @@
 
 `auto` takes the native kernel where the backend has one and its self-test passed, else
 the generic one; `native` where the backend has none is refused when the spec is
-validated. CUDA has native versions of both kernels (kernels/kv_move.py, sources in
+validated. CUDA has native versions of all three kernels (the KV moves in
+kernels/kv_move.py, the few-row matmul in kernels/small_matmul.py, sources in
 kernels/cuda/); Metal and CPUs run the generic paths (a Metal version comes with a Mac to
-test it on). The self-test checks the native kernels against the generic path once per
+test it on). The self-test checks the native kernels against the generic paths once per
 process, on a thread and stream of its own (`SELF_TEST.start`), so it never delays
-readiness; until it passes, the generic paths run. The kernels are compiled by NVRTC once
-per machine (kernels/cubins.py), not by MLX in each process: MLX holds the lock every
-kernel lookup takes while it compiles, which stalled the warm-up and the load.
+readiness; until it passes, the generic paths run. A kernel that fails it runs
+generically, the others natively. The kernels are compiled by NVRTC once per machine
+(kernels/cubins.py), not by MLX in each process: MLX holds the lock every kernel lookup
+takes while it compiles, which stalled the warm-up and the load.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ log = logging.getLogger("omlx.kernels")
 KERNELS = {
     "kv_quantize": "gather-and-quantize of KV blocks on their way down to host memory (pinned, on CUDA)",
     "kv_dequantize": "dequantize of KV blocks from host memory (pinned, on CUDA) on their way back to the batch",
+    "small_matmul": "Linear layers' matmuls of 2-16 rows (a decode pass's), sparing the host cuBLASLt's cost a call",
 }
 # kernel -> the backends that have a native version of it
 NATIVE: dict[str, frozenset[str]] = {name: frozenset({"cuda"}) for name in KERNELS}
@@ -50,11 +53,12 @@ def backend() -> str:
 
 
 class _SelfTest:
-    """The native kernels' one self-test per process: not started, running, passed or failed."""
+    """The native kernels' one self-test per process: not started, running, or done with
+    what failed per kernel (`failures`: kernel -> what went wrong, or None where it passed)."""
 
     def __init__(self):
         self.done = threading.Event()
-        self.failure: str | None = None
+        self.failures: dict[str, str | None] = {}
         self._started = False
         self._lock = threading.Lock()
         self._listeners: list = []
@@ -76,19 +80,24 @@ class _SelfTest:
     def _run(self) -> None:
         import mlx.core as mx
 
-        from appliance.kernels import kv_move
+        from appliance.kernels import kv_move, small_matmul
         from appliance.kernels.pinned import available
 
-        try:
-            with mx.stream(mx.new_stream(mx.gpu)):  # beside the engines' work, not in it
-                self.failure = available() or kv_move.self_test()
-        except Exception as e:
-            self.failure = f"{type(e).__name__}: {e}"
-        if self.failure is None:
-            log.info("native %s kernels passed their self-test", backend())
-        else:
-            log.warning("native %s kernels failed their self-test (the generic paths run): %s",
-                        backend(), self.failure)
+        tests = {"kv": lambda: available() or kv_move.self_test(), "small_matmul": small_matmul.self_test}
+        failures = {}
+        for name, test in tests.items():
+            try:
+                with mx.stream(mx.new_stream(mx.gpu)):  # beside the engines' work, not in it
+                    failures[name] = test()
+            except Exception as e:
+                failures[name] = f"{type(e).__name__}: {e}"
+        self.failures = {kernel: failures["small_matmul" if kernel == "small_matmul" else "kv"] for kernel in KERNELS}
+        for name, failure in failures.items():
+            if failure is None:
+                log.info("native %s %s kernels passed their self-test", backend(), name)
+            else:
+                log.warning("native %s %s kernels failed their self-test (the generic paths run): %s",
+                            backend(), name, failure)
         with self._lock:
             self.done.set()
             listeners, self._listeners = self._listeners, []
@@ -114,8 +123,8 @@ def select(kernel: str, asked: str) -> Selection:
         return Selection(kernel, asked, "generic", f"no native {kernel} kernel for the {backend()} backend yet")
     if not SELF_TEST.done.is_set():
         return Selection(kernel, asked, "generic", f"the {backend()} kernel's self-test has not finished")
-    if SELF_TEST.failure is not None:
-        return Selection(kernel, asked, "generic", f"the {backend()} kernel failed its self-test: {SELF_TEST.failure}")
+    if (failure := SELF_TEST.failures.get(kernel)) is not None:
+        return Selection(kernel, asked, "generic", f"the {backend()} kernel failed its self-test: {failure}")
     return Selection(kernel, asked, "native", f"the {backend()} kernel passed its self-test")
 
 
@@ -124,16 +133,15 @@ _latest = [0]
 
 
 def apply(asked: dict[str, str], use) -> None:
-    """Calls `use(quantize=..., dequantize=...)` with what runs now, and again once the
-    self-test has finished where a native kernel waits on it (unless another `apply` came
-    in between)."""
+    """Calls `use(chosen)` (kernel -> whether its native version runs) with what runs now,
+    and again once the self-test has finished where a native kernel waits on it (unless
+    another `apply` came in between). `switch` is the appliance's `use`."""
     this = _latest[0] = next(_applies)
 
     def now() -> None:
         if _latest[0] != this:
             return
-        chosen = {name: select(name, choice).chosen == "native" for name, choice in asked.items()}
-        use(quantize=chosen.get("kv_quantize", False), dequantize=chosen.get("kv_dequantize", False))
+        use({name: select(name, choice).chosen == "native" for name, choice in asked.items()})
 
     now()
     if any(c != "generic" and backend() in NATIVE[name] for name, c in asked.items()):
@@ -144,3 +152,14 @@ def report(asked: dict[str, str]) -> dict[str, dict[str, str]]:
     """Returns the status's `kernels`: per kernel, what was asked, what runs and why."""
     return {name: {k: v for k, v in vars(select(name, choice)).items() if k != "kernel"}
             for name, choice in asked.items()}
+
+
+def switch(store, chosen: dict[str, bool]) -> None:
+    """Runs what `chosen` says (kernel -> native): the models' few-row matmuls
+    (kernels/small_matmul.py), and the KV store's moves to and from host memory (`store`,
+    where there is one)."""
+    from appliance.kernels import small_matmul
+
+    small_matmul.ENABLED = chosen.get("small_matmul", False)
+    if store is not None:
+        store.use_native(quantize=chosen.get("kv_quantize", False), dequantize=chosen.get("kv_dequantize", False))

@@ -16,6 +16,7 @@ from mlx.utils import tree_map
 
 from appliance.models import preload
 from appliance.models.fuse import fuse_as_asked
+from appliance.models.native_linear import native_linear_here
 from appliance.models.weights import load_weights, weight_files
 from appliance.platform import resolve_dtype
 from appliance.spec import ModelSpec
@@ -88,6 +89,7 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
     mx.eval(model.parameters())
     weights_s += time.perf_counter() - evaluated
     fused = fuse_as_asked(model, spec.fuse_projections)
+    native = native_linear_here(model)
     weights_gb = sum(f.stat().st_size for f in weight_files(path)) / 1e9
     context = context_tokens(spec, config)
     actual = dtype or str(next(iter_float_dtypes(model), "unknown")).removeprefix("mlx.core.")
@@ -95,7 +97,9 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
                          context_tokens=context, dtype=actual, load_s=time.perf_counter() - started)
     log.info("model %s loaded from %s (%s, %d-token context) in %.1f s; weights by %s, %.2f GB in %.2f s (%.1f GB/s)%s",
              spec.name, path, actual, context, loaded.load_s, loader, weights_gb, weights_s,
-             weights_gb / weights_s if weights_s > 0 else 0.0, f"; {fused} projection groups fused" if fused else "")
+             weights_gb / weights_s if weights_s > 0 else 0.0,
+             (f"; {fused} projection groups fused" if fused else "")
+             + (f"; {native} Linear layers can run natively" if native else ""))
     return loaded
 
 

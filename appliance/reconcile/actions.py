@@ -10,6 +10,7 @@ kind of change is adding one class here and one line to `plan()`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -166,13 +167,11 @@ class SelectKernels(Action):
         return "select kernels: " + ", ".join(f"{k}={v}" for k, v in self.kernels.model_dump().items())
 
     async def prepare(self, run: Run) -> Step:
-        from appliance.kernels.registry import apply
+        from appliance.kernels.registry import apply, switch
 
-        store, old = run.appliance.store, run.appliance.spec.kernels
-        if store is None:
-            return Step()
-        apply(self.kernels.model_dump(), store.use_native)
-        return Step(undo=lambda: apply(old.model_dump(), store.use_native))
+        use, old = functools.partial(switch, run.appliance.store), run.appliance.spec.kernels
+        apply(self.kernels.model_dump(), use)
+        return Step(undo=lambda: apply(old.model_dump(), use))
 
 
 @dataclass(frozen=True)

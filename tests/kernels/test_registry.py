@@ -24,10 +24,32 @@ def test_the_report_says_what_was_asked_what_runs_and_why():
                                                                   "why": "asked for"}}
 
 
-def test_apply_hands_the_store_what_runs_now():
+def test_apply_hands_over_what_runs_now():
     from appliance.kernels.registry import apply
 
     calls = []
-    apply({"kv_quantize": "auto", "kv_dequantize": "generic"}, lambda **kw: calls.append(kw))
+    apply({"kv_quantize": "auto", "kv_dequantize": "generic", "small_matmul": "auto"}, calls.append)
     native = backend() == "cuda"  # auto waits for the self-test there: generic until it passed
-    assert calls[0] == {"quantize": False, "dequantize": False} or native
+    assert calls[0] == {"kv_quantize": False, "kv_dequantize": False, "small_matmul": False} or native
+
+
+class Store:  # records what the KV store is told
+    def __init__(self):
+        self.told = []
+
+    def use_native(self, **kw):
+        self.told.append(kw)
+
+
+def test_switch_tells_the_models_and_the_store():
+    from appliance.kernels import small_matmul
+    from appliance.kernels.registry import switch
+
+    store = Store()
+    try:
+        switch(store, {"kv_quantize": True, "kv_dequantize": False, "small_matmul": True})
+        assert small_matmul.ENABLED and store.told == [{"quantize": True, "dequantize": False}]
+        switch(None, {"kv_quantize": True, "kv_dequantize": True, "small_matmul": False})  # no store yet
+        assert not small_matmul.ENABLED
+    finally:
+        small_matmul.ENABLED = False
