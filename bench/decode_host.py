@@ -12,7 +12,9 @@ host-bound pass has `wait` near 0 and `cpu` near the step.
 Variants, each on the same prompts in one process: `padded` (rows of different lengths:
 attention with an array mask, MLX CUDA's unfused path), `equal` (rows of one length,
 which mlx-lm's BatchKVCache masks all the same), `fused` (padded, each layer's q/k/v
-and gate/up projections one matmul each: appliance/models/fuse.py), `nogc` (padded,
+and gate/up projections one matmul each: appliance/models/fuse.py), `native` (fused,
+and the Linear layers' matmuls of 2-8 rows run by our kernel: models/native_linear.py;
+on CUDA only), `nogc` (padded,
 Python's collector off), `pinned` (padded, this thread held to one CPU), `busy`
 (padded, a Python thread beside it holding the GIL in slices, as an event loop serving
 streams would).
@@ -37,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
+from appliance.kernels import small_matmul  # noqa: E402
+from appliance.models.native_linear import use_native_linear  # noqa: E402
 from bench.batch_steps import busy_beside  # noqa: E402
 from bench.prefill_paths import generated_model, log, prompt_of  # noqa: E402
 
-VARIANTS = ("padded", "equal", "fused", "nogc", "pinned", "busy")
+VARIANTS = ("padded", "equal", "fused", "native", "nogc", "pinned", "busy")
 
 
 class Probe:
@@ -156,6 +160,15 @@ def in_variant(name: str, fusion: Fusion | None = None):
     if name == "fused" and fusion is not None:
         fusion.set(True)
         return lambda: fusion.set(False)
+    if name == "native" and fusion is not None:
+        fusion.set(True)
+        small_matmul.ENABLED = mx.cuda.is_available()  # elsewhere `native` is `fused`
+
+        def undo() -> None:
+            small_matmul.ENABLED = False
+            fusion.set(False)
+
+        return undo
     if name == "nogc":
         gc.disable()
         return gc.enable
@@ -185,8 +198,9 @@ def main() -> int:
     log(f"model {args.shape} generated in {model_s} s on {mx.default_device()}")
     probe = Probe(model)
     fusion = None
-    if "fused" in args.variants.split(","):
+    if {"fused", "native"} & set(args.variants.split(",")):
         fusion = Fusion(model)  # its weights beside the model's own: more device memory
+        use_native_linear(model)  # the own and the fused Linear layers; off but in `native`
         fusion.set(False)
     rng = random.Random(0)
     results: dict = {"shape": args.shape, "device": str(mx.default_device()), "mlx": mx.__version__, "runs": []}
@@ -197,9 +211,9 @@ def main() -> int:
         run(model, probe, padded, steps=8)  # the shapes' kernels, once
         run(model, probe, equal, steps=8)
         if fusion is not None:
-            fusion.set(True)
+            undo = in_variant("native", fusion)
             run(model, probe, padded, steps=8)
-            fusion.set(False)
+            undo()
         for r in range(args.rounds):
             for name in args.variants.split(","):
                 if name == "busy" and not busy:  # last: it stays on once started

@@ -58,7 +58,7 @@ case ",$STEPS," in *,host,*)
 case ",$STEPS," in *,kernels,*)
   step python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py \
     tests/kernels/test_nvrtc.py tests/kernels/test_cubins.py tests/kernels/test_cuda_driver.py tests/models/test_weights.py::test_on_cuda_every_tensor_is_copied_bit_for_bit tests/models/test_weights.py::test_on_cuda_a_read_failing_midway_falls_back_to_mx_load \
-    tests/models/test_fuse.py::test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits 2>&1 | tail -30 ;; esac
+    tests/models/test_fuse.py::test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits tests/kernels/test_small_matmul.py tests/models/test_native_linear.py::test_on_cuda_a_model_with_a_kv_cache_computes_the_same_logits_natively 2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,attention,*)  # what a new attention shape costs (cuDNN graphs)
   step python3 bench/attention_graphs.py --shape 8b --out "$OUT/attention_graphs.json" 2>&1 | tail -20 ;; esac
 case ",$STEPS," in *,save,*)
@@ -93,7 +93,7 @@ case ",$STEPS," in *,decodehost,*)  # item 5: where an N-row decode pass's time 
   MLX_USE_CUDA_GRAPHS=0 step python3 bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 \
     --variants padded,fused --out "$OUT/decode_host-nographs.json" 2>&1 | cut -c1-420 | tail -8 ;; esac
 case ",$STEPS," in *,matmulhost,*)  # item 5: what one matmul costs MLX CUDA's host, by rows (an upstream repro)
-  step python3 bench/matmul_host.py --out "$OUT/matmul_host.json" 2>&1 | tail -12 ;; esac
+  step python3 bench/matmul_host.py ${MATMUL_ARGS:-} --out "$OUT/matmul_host.json" 2>&1 | tail -12 ;; esac
 case ",$STEPS," in *,long,*)  # item 5: short requests during a long prefill, in process, each step traced
   step python3 bench/long_and_shorts.py --shape 8b --tokenizer .gpu/tok --out "$OUT/long_and_shorts.json" 2>&1 \
     | tail -150 ;; esac
