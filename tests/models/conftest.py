@@ -1,4 +1,5 @@
-"""Session fixtures for the model tests: the real SmolLM2 GGUF, converted once and cached."""
+"""Session fixtures for the model tests: the real SmolLM2 GGUF, converted once and cached;
+and small generated Llama-shaped models for the GPU tests (the GGUF is not carried there)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
@@ -73,3 +75,22 @@ def write_tiny_gguf(path: Path, *, arch: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture
+def generated_llama():
+    """Returns `make(layers, seed)`: a Llama-shaped model (hidden 256, 8 / 2 heads, FFN 512,
+    a 512-token vocabulary) with random bfloat16 weights, evaluated, as GPUs run it."""
+    from mlx_lm.models import llama
+
+    def make(layers: int, seed: int) -> nn.Module:
+        config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": layers, "intermediate_size": 512,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+                  "rope_theta": 10000.0}
+        mx.random.seed(seed)
+        model = llama.Model(llama.ModelArgs.from_dict(config))
+        model.set_dtype(mx.bfloat16)
+        mx.eval(model.parameters())
+        return model
+
+    return make

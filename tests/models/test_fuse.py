@@ -96,20 +96,13 @@ def test_auto_fuses_on_cuda_only(model):
     assert fuse_as_asked(model, "on") > 0
 
 
-def test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits():
+def test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits(generated_llama):
     """A generated Llama-shaped model in bfloat16 (as GPUs run it), a prompt then two
     decode steps through a KV cache: the parts' outputs are views of the fused one, which
     the keys and values go into the cache from (run on a GPU by bench/gpu_run.sh kernels)."""
-    from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
-              "rope_theta": 10000.0}
-    mx.random.seed(3)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
+    model = generated_llama(2, seed=3)
 
     def run() -> list[mx.array]:
         cache = make_prompt_cache(model)

@@ -77,20 +77,13 @@ def test_where_the_backend_has_no_kernel_nothing_changes(model):
 
 
 @pytest.mark.skipif(backend() != "cuda", reason=f"small_matmul runs on CUDA; this backend is {backend()}")
-def test_on_cuda_a_model_with_a_kv_cache_computes_the_same_logits_natively(enabled):
+def test_on_cuda_a_model_with_a_kv_cache_computes_the_same_logits_natively(enabled, generated_llama):
     """A generated Llama-shaped model in bfloat16 (the real one is not carried to the GPU
     machine), projections fused: a prompt (14 rows) then decode steps of 2 rows through a
     KV cache, each call's matmuls run by the kernel."""
-    from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
-              "rope_theta": 10000.0}
-    mx.random.seed(5)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
+    model = generated_llama(4, seed=5)
 
     def run() -> list[mx.array]:
         cache = make_prompt_cache(model)

@@ -17,25 +17,23 @@
 // and add their partial sums through shared memory. The k order inside a chunk is a
 // permutation the A (w) and B (x) fragments share: each thread loads 16 contiguous bytes
 // of a row of w (two rows: g and g + 8) and of a row of x, so every load is a full vector.
+
+// c += a (16 x 16, row-major) x b (16 x 8, column-major), a and b of T, c of float
+#define OMLX_MMA16816(PTX_TYPE)                                                                        \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "   \
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                             \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                        \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+
 template <typename T>
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1);
-
 template <>
 __device__ __forceinline__ void mma16816<bf16>(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  OMLX_MMA16816("bf16");
 }
-
 template <>
 __device__ __forceinline__ void mma16816<f16>(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  OMLX_MMA16816("f16");
 }
 
 __device__ __forceinline__ Vec16 load_streaming(const Vec16* p) {  // read once: keep it out of L1
