@@ -17,25 +17,21 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from appliance.models.gguf import PARTIAL_MARK
 from appliance.models.source import converted_dir, materialize
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-GGUF_PATH = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Git-ignored and kept between runs, so only the first `make test` pays for the conversion.
-TEST_CACHE_DIR = REPO_ROOT / ".cache" / "test"
+from tests.conftest import MODEL_GGUF, REPO, TEST_CACHE
 
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """Return the default model's GGUF file, fetched by `make setup-test`."""
-    if not GGUF_PATH.is_file():
-        pytest.fail(f"{GGUF_PATH} is missing: run `make setup-test` (or `make model`) first")
-    return GGUF_PATH
+    if not MODEL_GGUF.is_file():
+        pytest.fail(f"{MODEL_GGUF} is missing: run `make setup-test` (or `make model`) first")
+    return MODEL_GGUF
 
 
 @pytest.fixture(scope="session")
 def model_dir(gguf_path: Path) -> Path:
     """Return the float32 MLX conversion of the GGUF, from the persistent test cache."""
-    return materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=TEST_CACHE_DIR, dtype="float32")
+    return materialize(str(gguf_path), base_dir=REPO, cache_dir=TEST_CACHE, dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +49,7 @@ def bfloat16_conversion(gguf_path: Path, tmp_path_factory: pytest.TempPathFactor
     leftover.mkdir(parents=True)
     for name in ("config.json", "tokenizer.json"):  # looks like a model, but was never finished
         (leftover / name).write_text("{}")
-    model_dir = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=cache_dir, dtype="bfloat16")
+    model_dir = materialize(str(gguf_path), base_dir=REPO, cache_dir=cache_dir, dtype="bfloat16")
     return model_dir, leftover
 
 

@@ -42,12 +42,12 @@ def test_a_model_asked_to_fuse_its_projections_loads_fused(gguf_path, loaded_mod
 
     from appliance.models.fuse import Part
     from appliance.models.loaded import load_model
-    from tests.models.conftest import REPO_ROOT, TEST_CACHE_DIR
+    from tests.conftest import REPO, TEST_CACHE
 
     prompt = mx.array([[1, 504, 2114, 314, 253, 1789, 30]])
     with caplog.at_level(logging.INFO, logger="omlx.models"):
         fused = load_model(ModelSpec(name="fused", source=str(gguf_path), fuse_projections="on"),
-                           base_dir=REPO_ROOT, cache_dir=TEST_CACHE_DIR)
+                           base_dir=REPO, cache_dir=TEST_CACHE)
     assert isinstance(fused.model.model.layers[0].self_attn.k_proj, Part)
     assert "60 projection groups fused" in caplog.text  # 30 layers: q/k/v and gate/up each
     assert mx.allclose(fused.model(prompt), loaded_model[0](prompt), atol=1e-4).item()

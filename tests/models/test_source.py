@@ -13,10 +13,11 @@ from huggingface_hub import constants
 
 from appliance.models.manifest import verify
 from appliance.models.source import ModelSourceError, converted_dir, describe_source, materialize
+from tests.conftest import REPO, TEST_CACHE
 
-from .conftest import REPO_ROOT, TEST_CACHE_DIR, write_tiny_gguf
+from .conftest import write_tiny_gguf
 
-REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HF_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture
@@ -37,8 +38,8 @@ def test_gguf_conversion_is_reused(gguf_path: Path, model_dir: Path) -> None:
     weights = model_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
     started = time.monotonic()
-    again = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=TEST_CACHE_DIR, dtype="float32")
-    assert again == model_dir == converted_dir(gguf_path, TEST_CACHE_DIR, "float32")
+    again = materialize(str(gguf_path), base_dir=REPO, cache_dir=TEST_CACHE, dtype="float32")
+    assert again == model_dir == converted_dir(gguf_path, TEST_CACHE, "float32")
     assert weights.stat().st_mtime_ns == before
     assert time.monotonic() - started < 5  # a fingerprint, not a conversion (~10 s)
 
@@ -51,7 +52,7 @@ def test_relative_gguf_path_resolves_against_base_dir(gguf_path: Path, model_dir
     source = f"../weights/{gguf_path.name}"
     assert describe_source(source, config_dir) == "gguf"
     # Same content, same name: the cached conversion is found, wherever the file lives.
-    assert materialize(source, base_dir=config_dir, cache_dir=TEST_CACHE_DIR, dtype="float32") == model_dir
+    assert materialize(source, base_dir=config_dir, cache_dir=TEST_CACHE, dtype="float32") == model_dir
 
 
 def test_leftover_partial_is_not_a_finished_model(bfloat16_conversion: tuple[Path, Path]) -> None:
@@ -104,10 +105,10 @@ def test_unreachable_hub_says_what_to_do(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{unused_port}")  # nothing listens there
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     with pytest.raises(ModelSourceError) as raised:
-        materialize(f"{REPO}@main", base_dir=tmp_path, cache_dir=tmp_path, dtype="float32")
+        materialize(f"{HF_REPO}@main", base_dir=tmp_path, cache_dir=tmp_path, dtype="float32")
     message = str(raised.value)
-    assert message.startswith(f"could not download {REPO}@main: hub unreachable (ConnectError")
-    assert f"hf download {REPO}" in message and "set source to the local directory" in message
+    assert message.startswith(f"could not download {HF_REPO}@main: hub unreachable (ConnectError")
+    assert f"hf download {HF_REPO}" in message and "set source to the local directory" in message
 
 
 @pytest.mark.timeout(60)
@@ -115,17 +116,17 @@ def test_offline_mode_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     with pytest.raises(ModelSourceError, match=r"hub unreachable \(HF_HUB_OFFLINE is set\)"):
-        materialize(REPO, base_dir=tmp_path, cache_dir=tmp_path, dtype="float32")
+        materialize(HF_REPO, base_dir=tmp_path, cache_dir=tmp_path, dtype="float32")
 
 
 def test_a_conversion_that_does_not_verify_is_converted_again(
         gguf_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache_dir = tmp_path / "cache"
-    first = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=cache_dir, dtype="bfloat16")
+    first = materialize(str(gguf_path), base_dir=REPO, cache_dir=cache_dir, dtype="bfloat16")
     assert verify(first) is None
     (first / "tokenizer_config.json").write_bytes(b"\xff\xfe\x00 not utf-8")  # what broke a load before
     with caplog.at_level(logging.WARNING, logger="appliance.models.source"):
-        again = materialize(str(gguf_path), base_dir=REPO_ROOT, cache_dir=cache_dir, dtype="bfloat16")
+        again = materialize(str(gguf_path), base_dir=REPO, cache_dir=cache_dir, dtype="bfloat16")
     assert again == first
     assert verify(again) is None
     assert "tokenizer_config.json: " in caplog.text and "converting" in caplog.text
