@@ -61,6 +61,22 @@ def test_while_the_kernel_is_off_a_native_layer_computes_what_linear_does(model)
     assert mx.array_equal(model(PROMPTS), before).item()
 
 
+def test_calls_the_kernel_does_not_take_run_as_linear_does(model, enabled, monkeypatch):
+    """One row, more than ROWS rows, or rows in another dtype than the weight (which MLX
+    promotes) never reach the kernel, even while it is on."""
+    layer = model.model.layers[0].mlp.up_proj
+    use_native_linear(model)
+    taken = []
+    monkeypatch.setattr(small_matmul, "matmul", lambda x, w: taken.append(x.shape) or x @ w.T)
+    k = layer.weight.shape[1]
+    for x in (mx.ones((1, 1, k), dtype=mx.bfloat16), mx.ones((1, small_matmul.ROWS + 1, k), dtype=mx.bfloat16),
+              mx.ones((1, 4, k), dtype=mx.float32)):
+        assert mx.array_equal(layer(x), x @ layer.weight.T).item()
+    assert taken == []
+    layer(mx.ones((1, 4, k), dtype=mx.bfloat16))
+    assert taken == [(1, 4, k)]
+
+
 def test_layers_the_kernel_cannot_take_stay_as_they_are(model):
     nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, m: path.endswith("q_proj"))
     model.model.layers[0].mlp.down_proj.set_dtype(mx.float32)
