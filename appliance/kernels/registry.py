@@ -32,6 +32,8 @@ KERNELS = {
 }
 # kernel -> the backends that have a native version of it
 NATIVE: dict[str, frozenset[str]] = {name: frozenset({"cuda"}) for name in KERNELS}
+# kernel -> the self-test that checks it (the two KV kernels are checked together)
+CHECKED_BY = {"kv_quantize": "kv", "kv_dequantize": "kv", "small_matmul": "small_matmul"}
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class _SelfTest:
                     failures[name] = test()
             except Exception as e:
                 failures[name] = f"{type(e).__name__}: {e}"
-        self.failures = {kernel: failures["small_matmul" if kernel == "small_matmul" else "kv"] for kernel in KERNELS}
+        self.failures = {kernel: failures[CHECKED_BY[kernel]] for kernel in KERNELS}
         for name, failure in failures.items():
             if failure is None:
                 log.info("native %s %s kernels passed their self-test", backend(), name)

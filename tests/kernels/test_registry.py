@@ -5,10 +5,11 @@ import pytest
 from appliance.kernels.registry import KERNELS, backend, refusal, report, select
 
 
-def test_every_kernel_has_a_spec_key():
+def test_every_kernel_has_a_spec_key_and_a_self_test():
+    from appliance.kernels.registry import CHECKED_BY
     from appliance.spec import KernelsSpec
 
-    assert set(KernelsSpec.model_fields) == set(KERNELS)
+    assert set(KernelsSpec.model_fields) == set(KERNELS) == set(CHECKED_BY)
 
 
 @pytest.mark.skipif(backend() == "cuda", reason="CUDA has native kernels (tests/kernels/test_kv_move.py)")
