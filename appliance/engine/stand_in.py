@@ -28,6 +28,7 @@ from mlx_lm.generate import generation_stream
 from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import Laps, described, warm_up
+from appliance.models import preload
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
 from appliance.models.memory import room_beside
@@ -89,11 +90,12 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
     ran: a failure is logged, never raised, since the model's own warm-up follows.
 
     The stand-in must fit beside the whole model (its weights with the load's headroom)
-    in what MLX may still allocate: a model that only just fits loads as it did without."""
+    in what MLX may still allocate: a model that only just fits loads as it did without.
+    Weights a preload has read onto the device already count as the model's."""
     started = time.perf_counter()
     laps = Laps()
     try:
-        stand_in = load_stand_in(spec, path, dtype, room_bytes=room_beside(path))
+        stand_in = load_stand_in(spec, path, dtype, room_bytes=room_beside(path, preload.resident_bytes(spec.name)))
         if stand_in is None:
             log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False

@@ -69,11 +69,13 @@ def weights_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def room_beside(model_dir: Path) -> int | None:
+def room_beside(model_dir: Path, resident: int = 0) -> int | None:
     """Returns what MLX may still allocate once the model in `model_dir` is loaded (its
-    weights with the load's HEADROOM), negative when it does not fit; None when unknown."""
+    weights with the load's HEADROOM), negative when it does not fit; None when unknown.
+    `resident`: bytes of those weights on the device already (a preload's, counted in
+    what MLX holds), so not counted twice."""
     free = free_bytes()
-    return None if free is None else free - int(weights_bytes(model_dir) * HEADROOM)
+    return None if free is None else free - max(int(weights_bytes(model_dir) * HEADROOM) - resident, 0)
 
 
 def check_memory(spec: ModelSpec, *, base_dir: Path, cache_dir: Path) -> None:

@@ -38,6 +38,7 @@ class Preloaded(NamedTuple):
 _lock = threading.Lock()
 _pending: tuple[str, Future] | None = None  # the model's name; a future of Preloaded, or of None
 _checked: tuple[str, Future] | None = None  # the model's name; a future of whether its memory check passed
+_reading: tuple[str, int] | None = None  # the model whose weights are being read; MLX's active memory before
 
 
 def start(config: LoadedConfig) -> None:
@@ -83,10 +84,28 @@ def _preload(config: LoadedConfig, checked: Future) -> Preloaded | None:
     platform.limit_device_memory(spec.server.mlx_memory_limit_gb)
     check_memory(model, base_dir=base_dir, cache_dir=cache_dir)
     checked.set_result(True)
-    weights = load_weights(weight_files(path))
+    global _reading
+    _reading = (model.name, mx.get_active_memory())
+    try:
+        weights = load_weights(weight_files(path))
+    finally:
+        _reading = None
     log.info("weights: %s preloaded by %s, %.2f GB in %.2f s", model.name, weights.loader, weights.nbytes / 1e9,
              weights.load_s)
     return Preloaded(model.name, path, weights)
+
+
+def resident_bytes(model: str) -> int:
+    """Returns how much of `model`'s weights a preload still reading them has put on the
+    device (MLX's active memory grown since it began: nothing else allocates on the device
+    then); 0 when none is reading them. A stand-in deciding whether it fits beside the model
+    (models/memory.room_beside) counts those bytes as the model's, not as taken."""
+    import mlx.core as mx
+
+    reading = _reading
+    if reading is None or reading[0] != model:
+        return 0
+    return max(mx.get_active_memory() - reading[1], 0)
 
 
 def memory_checked(model: str) -> bool:

@@ -61,3 +61,14 @@ def test_a_stand_in_that_would_crowd_the_model_is_not_loaded(loaded_model, caplo
     with caplog.at_level(logging.INFO, logger="omlx.engine"):
         assert load_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype, room_bytes=1 << 20) is None
     assert "no room for its stand-in" in caplog.text
+
+
+def test_a_stand_in_counts_the_weights_a_preload_has_read_as_the_model_s(loaded_model, monkeypatch):
+    """A preload still reading the model's weights holds some on the device: counted once."""
+    from appliance.engine import stand_in
+
+    asked = []
+    monkeypatch.setattr(stand_in.preload, "resident_bytes", lambda model: 123 if model == loaded_model.spec.name else 0)
+    monkeypatch.setattr(stand_in, "room_beside", lambda path, resident=0: asked.append(resident) or 0)
+    assert not warm_up_stand_in(loaded_model.spec, loaded_model.path, loaded_model.dtype, BatchingSpec())
+    assert asked == [123]

@@ -20,3 +20,13 @@ def test_cuda_free_bytes_is_none_without_cuda():
         assert memory.cuda_free_bytes() is None
     else:
         assert memory.cuda_free_bytes() > 0
+
+
+def test_room_beside_counts_weights_already_on_the_device_once(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)  # weights of 1000 bytes: 1200 with the headroom
+    monkeypatch.setattr(memory, "free_bytes", lambda: 5000)
+    assert memory.room_beside(tmp_path) == 3800
+    assert memory.room_beside(tmp_path, resident=700) == 4500  # a preload's 700 bytes are taken from free already
+    assert memory.room_beside(tmp_path, resident=1500) == 5000
+    monkeypatch.setattr(memory, "free_bytes", lambda: None)
+    assert memory.room_beside(tmp_path, resident=700) is None

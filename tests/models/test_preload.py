@@ -109,3 +109,28 @@ def test_off_cuda_the_runtime_checks_memory_itself(tmp_path: Path, model_dir: Pa
     preload.start(config_of(tmp_path, model_dir))
     assert not preload.memory_checked("smollm2-135m")
     preload.claim("smollm2-135m").result(timeout=120)
+
+
+def test_resident_bytes_are_what_the_device_gained_while_the_model_s_weights_are_read(monkeypatch):
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 9000)
+    assert preload.resident_bytes("smollm2-135m") == 0  # nothing reading
+    monkeypatch.setattr(preload, "_reading", ("smollm2-135m", 2000))
+    assert preload.resident_bytes("smollm2-135m") == 7000
+    assert preload.resident_bytes("another-model") == 0
+
+
+def test_a_preload_reports_its_bytes_while_it_reads_and_none_after(tmp_path: Path, model_dir: Path, as_on_cuda,
+                                                                  monkeypatch):
+    from appliance.models import weights
+
+    seen = []
+    real = weights.load_weights
+
+    def load_weights(files, **kw):
+        seen.append(preload._reading)
+        return real(files, **kw)
+
+    monkeypatch.setattr(weights, "load_weights", load_weights)
+    assert preloaded(config_of(tmp_path, model_dir)) is not None
+    assert [s[0] for s in seen] == ["smollm2-135m"]  # while reading: its model and MLX's memory before
+    assert preload._reading is None and preload.resident_bytes("smollm2-135m") == 0
