@@ -51,12 +51,14 @@ def start(config: LoadedConfig) -> None:
         _checked = (config.spec.default_model.name, checked)
 
     def run() -> None:
+        global _reading
         try:
             future.set_result(_preload(config, checked))
         except BaseException as e:  # the model's own load reports what is wrong with it
             log.info("weights: no preload (%s: %s)", type(e).__name__, e)
             future.set_result(None)
         finally:
+            _reading = None  # only now: until the future is done, a load may still start a stand-in
             if not checked.done():
                 checked.set_result(False)
 
@@ -85,11 +87,8 @@ def _preload(config: LoadedConfig, checked: Future) -> Preloaded | None:
     check_memory(model, base_dir=base_dir, cache_dir=cache_dir)
     checked.set_result(True)
     global _reading
-    _reading = (model.name, mx.get_active_memory())
-    try:
-        weights = load_weights(weight_files(path))
-    finally:
-        _reading = None
+    _reading = (model.name, mx.get_active_memory())  # until `run` has set the future
+    weights = load_weights(weight_files(path))
     log.info("weights: %s preloaded by %s, %.2f GB in %.2f s", model.name, weights.loader, weights.nbytes / 1e9,
              weights.load_s)
     return Preloaded(model.name, path, weights)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -133,4 +134,8 @@ def test_a_preload_reports_its_bytes_while_it_reads_and_none_after(tmp_path: Pat
     monkeypatch.setattr(weights, "load_weights", load_weights)
     assert preloaded(config_of(tmp_path, model_dir)) is not None
     assert [s[0] for s in seen] == ["smollm2-135m"]  # while reading: its model and MLX's memory before
+    for _ in range(100):  # cleared by the preload's thread just after it set the result
+        if preload._reading is None:
+            break
+        time.sleep(0.01)
     assert preload._reading is None and preload.resident_bytes("smollm2-135m") == 0
