@@ -4,11 +4,11 @@ On MLX CUDA a decode pass of a few rows is bound by the host, not the GPU: the h
 builds and submits each pass's ops while the GPU waits for them (an 8B model at 8 rows
 on an H100: 0.2-0.4 ms of a 10 ms pass waiting on the GPU; BENCHMARKS.md, "a decode
 pass is host-bound"), and MLX builds a cuBLASLt matmul for each matmul of more than one
-row at every call (~21 us of host time each there). A Llama-style layer has seven
-matmuls: q, k and v read the same input, and so do gate and up. Fused, they are four,
-with the same arithmetic: the weights are concatenated by output rows (for a quantized
-layer its scales and biases too, whose groups run along the input), the fused output
-is split back into the parts as views.
+row at every call (11-15 us of host time each there; bench/matmul_host.py). A
+Llama-style layer has seven matmuls: q, k and v read the same input, and so do gate and
+up. Fused, they are four, with the same arithmetic: the weights are concatenated by
+output rows (for a quantized layer its scales and biases too, whose groups run along the
+input), the fused output is split back into the parts as views.
 
 The parts keep their names: `q_proj` becomes a `Part` that takes its slice of the fused
 output, computed once for the input all of a group's parts read (mlx-lm's models call
