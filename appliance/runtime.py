@@ -75,6 +75,7 @@ class ModelEntry:
             "context_tokens": loaded.context_tokens if loaded else None,
             "load_s": round(loaded.load_s, 3) if loaded else None,
             "warm_up_s": round(self.engine.warm_up_s, 3) if self.engine and self.engine.warm_up_s else None,
+            "shapes_to_warm": self.engine.shapes_to_warm if self.engine else 0,
             "loaded_at": loaded.loaded_at if loaded else None,
             "limits": self.engine.limits.model_dump() if self.engine else None,
             "live_requests": self.engine.num_live if self.engine else 0,

@@ -549,6 +549,18 @@ def wait_ssd_written(url: str, *, timeout_s: float = 120.0) -> bool:
     return False
 
 
+def wait_idle_work(url: str, *, timeout_s: float = 60.0) -> float | None:
+    """Waits until omlx's engines have run their idle work that holds the GPU (the batched
+    start shapes, `shapes_to_warm`), so that it slows no baseline measured beside them;
+    returns the seconds waited, None when not done in time."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if all(m.get("shapes_to_warm", 0) == 0 for m in get_json(url, "/admin/api/status")["models"]):
+            return round(time.monotonic() - started, 2)
+        time.sleep(0.2)
+    return None
+
+
 def tier_deltas(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """Returns per tier the change of hits (and SSD read bytes/seconds) between two /admin/api/cache answers."""
     deltas = {}

@@ -61,6 +61,7 @@ from common import (  # noqa: E402
     run_header,
     stream_chat,
     wait_for_quiet,
+    wait_idle_work,
     write_json,
 )
 
@@ -608,6 +609,10 @@ async def measure(servers: list[ServerProcess], plan: Plan, model_dir: Path, rec
     for server in servers:
         log(f"warming up {server.name}")
         record["warm_up_errors"][server.name] = await warm_up(server, model_dir)
+    for server in servers:
+        if server.config is not None:  # omlx: its idle work ends before anything is measured
+            record["idle_work_wait_s"] = waited = await asyncio.to_thread(wait_idle_work, server.url)
+            log(f"   {server.name}'s idle work ended {waited} s after the warm-ups")
     if "a" in scenarios:
         await scenario_a(servers, plan, record["scenario_a"], save)
     if "b" in scenarios:

@@ -27,7 +27,7 @@ from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
 from appliance.engine.slot import Slot
 from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
-from appliance.engine.warm_up import described, warm_up
+from appliance.engine.warm_up import WARM_UP_CHAT, described, run_start_shape, start_shapes, warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
 from appliance.platform import device_kind
@@ -42,11 +42,12 @@ RECENT_REQUESTS = 256
 # the blocks prompts computed.
 PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
-# An idle engine pins host memory only this long after its last step or arrival: each pin
-# holds the engine thread and the GPU for ~35-50 ms, and a busy server's gaps between one
-# wave of requests and the next are milliseconds long (on an H100, 8 GiB pinned over the
-# first seconds of a throughput run took 4.2 s of the engine thread, in those gaps).
-PIN_QUIET_S = 1.0
+# An idle engine does its idle work (start shapes, pinning host memory) only this long
+# after its last step or arrival: each piece holds the engine thread and the GPU for
+# ~35-300 ms, and a busy server's gaps between one wave of requests and the next are
+# milliseconds long (on an H100, 8 GiB pinned over the first seconds of a throughput run
+# took 4.2 s of the engine thread, in those gaps).
+IDLE_QUIET_S = 1.0
 GATHER_ROUNDS = 4  # an idle engine gathers arrivals for at most this many `gather_ms` (Engine._gather)
 RESTORE_LOG_TOKENS = 4096  # restores this long are logged with their time
 RATE_TOKENS = 64  # a request's prefill speed counts when it computed this many prompt tokens
@@ -152,7 +153,7 @@ class Engine:
         self._num_live = 0  # submitted and not yet finished
         self._wakeups = 0  # prefetches finished since the engine last looked
         self._submitted_at = 0.0  # time.monotonic() of the last submit
-        self._active_at = 0.0  # time.monotonic() of the engine loop's last work (PIN_QUIET_S)
+        self._active_at = 0.0  # time.monotonic() of the engine loop's last work (IDLE_QUIET_S)
         self._accepting = True
         self._stopping = False
         self._waiting: deque[Slot] = deque()  # engine thread only
@@ -162,6 +163,10 @@ class Engine:
         self._warm = threading.Event()
         self.warm_up_s: float | None = None
         self.warm_up_error: str | None = None
+        # The batched start shapes left to run while idle (warm_up.start_shapes), engine
+        # thread only; their seconds so far.
+        self._shapes: list[tuple[int, int]] = []
+        self._shapes_s = 0.0
 
     def start_warm(self) -> Engine:
         """Starts the engine and returns once its warm-up has run; raises RuntimeError when
@@ -286,6 +291,7 @@ class Engine:
             return False
         self.warm_up_s = time.perf_counter() - started
         log.info("model %s warmed up in %.2f s (%s)", self.loaded.name, self.warm_up_s, described(parts))
+        self._shapes = start_shapes(self.limits)
         self._warm.set()
         return True
 
@@ -312,29 +318,67 @@ class Engine:
 
     def _next_commands(self) -> _Commands | None:
         """Returns the commands that arrived since the last step; None once stopping. While
-        idle, the engine pins host memory for the KV cache's native path, a slot at a time
-        (pinning holds the GPU and the host's memory up: never while requests run, nor
-        while one waits for its SSD reads, which it would slow down, nor within
-        `PIN_QUIET_S` of the last step or arrival, when more requests are likely to come)."""
+        idle, the engine does its idle work a piece at a time (`_idle_work`), never while
+        requests run, nor while one waits for its SSD reads, which it would slow down, nor
+        within `IDLE_QUIET_S` of the last step or arrival, when more requests are likely to
+        come."""
         with self._cond:
             while not (self._commands.submitted or self._commands.cancelled or self._running
                        or self._stopping or self._wakeups or self._admissible()):
-                if self.cache is not None and not self._waiting and self.cache.store.wants_pinned():
-                    quiet_s = self._active_at + PIN_QUIET_S - time.monotonic()
-                    if quiet_s > 0:
-                        self._cond.wait(timeout=quiet_s)
-                        continue
-                    self._cond.release()
-                    try:
-                        self.cache.store.pin_one()
-                    finally:
-                        self._cond.acquire()
+                work = self._idle_work()
+                if work is None:
+                    # Timed: the native kernels' self-test may enable pinning at any moment.
+                    self._cond.wait(timeout=IDLE_RECHECK_S if self.cache is not None else None)
                     continue
-                # Timed: the native kernels' self-test may enable pinning at any moment.
-                self._cond.wait(timeout=IDLE_RECHECK_S if self.cache is not None else None)
+                quiet_s = self._active_at + IDLE_QUIET_S - time.monotonic()
+                if quiet_s > 0:
+                    self._cond.wait(timeout=quiet_s)
+                    continue
+                self._cond.release()
+                try:
+                    work()
+                finally:
+                    self._cond.acquire()
             if self._stopping:
                 return None
             return self._take_commands()
+
+    def _idle_work(self) -> Callable[[], object] | None:
+        """Returns the next piece of idle work, if any (`_cond` held): a batched start shape
+        (`_warm_shape`) ahead of the first wave that would meet it, then pinning host memory
+        for the KV cache's native path, a slot at a time (pinning holds the GPU and the
+        host's memory up)."""
+        if self._waiting:
+            return None
+        if self._shapes:
+            return self._warm_shape
+        if self.cache is not None and self.cache.store.wants_pinned():
+            return self.cache.store.pin_one
+        return None
+
+    def _warm_shape(self) -> None:
+        """Runs the next batched start shape left (warm_up.run_start_shape); on a failure
+        drops the rest, which real waves then meet as they would have."""
+        rows, length = self._shapes[0]
+        started = time.perf_counter()
+        try:
+            prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
+            run_start_shape(self._scheduler, self.loaded, prompt, rows, length)
+        except Exception:
+            log.exception("model %s: a start shape of %d x %d tokens failed; the rest are left to requests",
+                          self.loaded.name, rows, length)
+            self._shapes = []
+            return
+        finally:
+            self._shapes_s += time.perf_counter() - started
+        self._shapes = self._shapes[1:]
+        if not self._shapes:
+            log.info("model %s ran its batched start shapes in %.2f s, idle", self.loaded.name, self._shapes_s)
+
+    @property
+    def shapes_to_warm(self) -> int:
+        """Returns how many batched start shapes the idle engine has yet to run."""
+        return len(self._shapes)
 
     def _gather(self, commands: _Commands) -> None:
         """Adds to `commands`, which woke an idle engine, what arrives until none has for

@@ -3,7 +3,9 @@ counts as ready (template, tokenizer, a prefill, decode steps greedy and sampled
 detokenizer; on GPUs a prompt of two full prefill chunks, and a batch's changes: rows
 started together, joining, leaving, a restored row starting beside a new one). MLX
 compiles GPU kernels per shape and per kind of index, and MLX CUDA builds an attention
-graph per shape on each thread: a first request would pay for them otherwise."""
+graph per shape on each thread: a first request would pay for them otherwise. Once the
+model is ready, an idle engine runs the batched start calls of short prompts' waves one
+shape at a time (`start_shapes`, `run_start_shape`), so a first wave meets none new."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 from appliance.cache.kv import KVBlock, build_batch_cache
 from appliance.cache.model_cache import Restored
 from appliance.engine.request import GenerationRequest, SamplingParams
-from appliance.engine.scheduler import Generated, Scheduler
+from appliance.engine.scheduler import GPU_SHAPE_TOKENS, IDLE_BUDGET_FACTOR, MIN_SHAPE_TOKENS, Generated, Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
 from appliance.platform import device_kind, kernel_dir
@@ -149,6 +151,53 @@ def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:
     if device_kind() != "gpu":
         return []
     return [min(2 * limits.prefill_chunk_tokens, context_tokens - 1) + 1]
+
+
+def start_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
+    """Returns, on GPUs, the (rows, padded length) of the batched start calls a wave of
+    short prompts may make (`batched_start_shapes`); none on CPUs, whose calls build no
+    graph per shape."""
+    return batched_start_shapes(limits) if device_kind() == "gpu" else []
+
+
+def batched_start_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
+    """Returns the (rows, padded length) of the batched start calls of short prompts,
+    cheapest first: each power of two of rows from 2 to `max_running` (the scheduler's row
+    groups) by each power-of-two length up to a whole shape (`padded_length`), where rows
+    padded to that length can start in one idle step. On an H100 the first wave of 8
+    requests over HTTP took 0.25-0.33 s of start calls against 0.12-0.14 s for the next,
+    its shapes unseen (cuDNN builds a graph per shape, ~50 ms: BENCHMARKS.md)."""
+    budget = limits.prefill_chunk_tokens * IDLE_BUDGET_FACTOR
+    lengths = [n for n in (MIN_SHAPE_TOKENS << i for i in range(16)) if n <= GPU_SHAPE_TOKENS]
+    rows = [r for r in (2 << i for i in range(16)) if r <= limits.max_running]
+    shapes = [(r, n) for r in rows for n in lengths if r * shortest_padded_to(n) <= budget]
+    return sorted(shapes, key=lambda shape: shape[0] * shape[1])
+
+
+def shortest_padded_to(length: int) -> int:
+    """Returns the fewest tokens a prompt padded to `length` (a power of two) holds."""
+    return length // 2 + 1 if length > MIN_SHAPE_TOKENS else 1
+
+
+def run_start_shape(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...], rows: int,
+                    length: int) -> list:
+    """Starts, on an idle scheduler, `rows` prompts of unlike lengths padded to `length`
+    tokens in one call, as a wave of short prompts would (made of `prompt`), runs the
+    decode pass after it, and removes them; returns the step's calls
+    (`Scheduler.last_calls`). Nothing is kept."""
+    longest = min(length, scheduler.chunk_tokens * IDLE_BUDGET_FACTOR // rows)
+    repeated = prompt * (length // max(1, len(prompt)) + 2)
+    uids = []
+    try:
+        for i in range(rows):  # one token more than each computes: the first decode step's input
+            tokens = repeated[:max(shortest_padded_to(length), longest - i) + 1]
+            request = GenerationRequest(tokens, WARM_UP_TOKENS, WARM_UP_SAMPLING[0])
+            uids.append(scheduler.insert(**Slot(request, loaded).insert_args()))
+        scheduler.step()
+        return list(scheduler.last_calls)
+    finally:
+        for uid in uids:
+            scheduler.remove(uid, keep_cache=False)
 
 
 def run_alone(scheduler: Scheduler, slot: Slot) -> None:

@@ -264,7 +264,7 @@ def test_a_long_prompt_is_saved_chunk_by_chunk_as_it_prefills(loaded_model, tmp_
 def test_an_idle_engine_pins_host_memory_only_after_a_quiet_spell(loaded_model, tmp_path, monkeypatch, quiet_s,
                                                                     pins_after):
     """Pinning (the native KV path's host slots, made ahead of need) holds the engine up
-    for tens of ms a slot: it waits for `PIN_QUIET_S` without steps or arrivals, so the
+    for tens of ms a slot: it waits for `IDLE_QUIET_S` without steps or arrivals, so the
     gaps between one request and the next of a busy server stay free of it."""
     from appliance.engine import engine as engine_module
 
@@ -272,7 +272,7 @@ def test_an_idle_engine_pins_host_memory_only_after_a_quiet_spell(loaded_model, 
     pinned: list[float] = []  # when each slot was pinned (no CUDA here: the pool is injected)
     monkeypatch.setattr(store, "wants_pinned", lambda: len(pinned) < 3)
     monkeypatch.setattr(store, "pin_one", lambda: pinned.append(time.monotonic()))
-    monkeypatch.setattr(engine_module, "PIN_QUIET_S", quiet_s)
+    monkeypatch.setattr(engine_module, "IDLE_QUIET_S", quiet_s)
     eng = Engine(loaded_model, BatchingSpec(max_running=2), cache=cache).start_warm()
     try:
         for question in QUESTIONS[:2]:  # two requests in a row: no pinning before, between or during them
@@ -301,3 +301,52 @@ def test_only_cuda_sticky_errors_count_as_a_lost_gpu(message, lost):
     from appliance.engine.engine import device_lost
 
     assert device_lost(RuntimeError(message)) is lost
+
+
+@pytest.fixture
+def as_on_gpus(monkeypatch):
+    """An engine that runs the batched start shapes while idle, as on GPUs, soon after its
+    last work."""
+    from appliance.engine import engine as engine_module
+    from appliance.engine.warm_up import batched_start_shapes
+
+    monkeypatch.setattr(engine_module, "start_shapes", batched_start_shapes)
+    monkeypatch.setattr(engine_module, "IDLE_QUIET_S", 0.3)
+    return engine_module
+
+
+def wait_for_shapes(eng: Engine, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while eng.shapes_to_warm and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.shapes_to_warm == 0
+
+
+def test_an_idle_engine_runs_the_batched_start_shapes(loaded_model, as_on_gpus, caplog):
+    """Each shape runs as a wave of short prompts would start, while nothing else does; a
+    request before them and after them gets the same answer, and none is counted."""
+    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=64)
+    eng = Engine(loaded_model, limits).start_warm()
+    try:
+        with caplog.at_level("INFO", logger="omlx.engine"):
+            first = asyncio.run(run(eng, request(loaded_model, QUESTIONS[0])))
+            wait_for_shapes(eng)
+            assert "ran its batched start shapes" in caplog.text
+        assert len(eng.recent) == 1  # the shapes are no request
+        assert asyncio.run(run(eng, request(loaded_model, QUESTIONS[0]))) == first
+    finally:
+        eng.stop(drain_s=0)
+
+
+def test_a_failed_start_shape_leaves_the_rest_to_requests(loaded_model, as_on_gpus, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr(as_on_gpus, "run_start_shape", fail)
+    eng = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=64)).start_warm()
+    try:
+        wait_for_shapes(eng)
+        _, text, reason = asyncio.run(run(eng, request(loaded_model, QUESTIONS[0])))
+        assert reason == "stop" and "Paris" in text
+    finally:
+        eng.stop(drain_s=0)
