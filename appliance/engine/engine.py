@@ -27,7 +27,7 @@ from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
 from appliance.engine.slot import Slot
 from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
-from appliance.engine.warm_up import WARM_UP_CHAT, described, run_start_shape, start_shapes, warm_up
+from appliance.engine.warm_up import WARM_UP_CHAT, described, idle_shapes, run_shape, warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
 from appliance.platform import device_kind
@@ -42,7 +42,7 @@ RECENT_REQUESTS = 256
 # the blocks prompts computed.
 PHASES = ("admit", "start", "decode", "deliver", "advance", "save")
 IDLE_RECHECK_S = 1.0  # an idle engine looks for idle work (pinning) this often
-# An idle engine does its idle work (start shapes, pinning host memory) only this long
+# An idle engine does its idle work (call shapes, pinning host memory) only this long
 # after its last step or arrival: each piece holds the engine thread and the GPU for
 # ~35-300 ms, and a busy server's gaps between one wave of requests and the next are
 # milliseconds long (on an H100, 8 GiB pinned over the first seconds of a throughput run
@@ -163,7 +163,7 @@ class Engine:
         self._warm = threading.Event()
         self.warm_up_s: float | None = None
         self.warm_up_error: str | None = None
-        # The batched start shapes left to run while idle (warm_up.start_shapes), engine
+        # The call shapes left to run while idle (warm_up.idle_shapes), engine
         # thread only; their seconds so far.
         self._shapes: list[tuple[int, int]] = []
         self._shapes_s = 0.0
@@ -291,7 +291,7 @@ class Engine:
             return False
         self.warm_up_s = time.perf_counter() - started
         log.info("model %s warmed up in %.2f s (%s)", self.loaded.name, self.warm_up_s, described(parts))
-        self._shapes = start_shapes(self.limits)
+        self._shapes = idle_shapes(self.limits)
         self._warm.set()
         return True
 
@@ -344,8 +344,8 @@ class Engine:
             return self._take_commands()
 
     def _idle_work(self) -> Callable[[], object] | None:
-        """Returns the next piece of idle work, if any (`_cond` held): a batched start shape
-        (`_warm_shape`) ahead of the first wave that would meet it, then pinning host memory
+        """Returns the next piece of idle work, if any (`_cond` held): a call shape
+        (`_warm_shape`) ahead of the first request that would meet it, then pinning host memory
         for the KV cache's native path, a slot at a time (pinning holds the GPU and the
         host's memory up)."""
         if self._waiting:
@@ -357,15 +357,15 @@ class Engine:
         return None
 
     def _warm_shape(self) -> None:
-        """Runs the next batched start shape left (warm_up.run_start_shape); on a failure
+        """Runs the next call shape left (warm_up.run_shape); on a failure
         drops the rest, which real waves then meet as they would have."""
         rows, length = self._shapes[0]
         started = time.perf_counter()
         try:
             prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
-            run_start_shape(self._scheduler, self.loaded, prompt, rows, length)
+            run_shape(self._scheduler, self.loaded, prompt, rows, length)
         except Exception:
-            log.exception("model %s: a start shape of %d x %d tokens failed; the rest are left to requests",
+            log.exception("model %s: a call shape of %d x %d tokens failed; the rest are left to requests",
                           self.loaded.name, rows, length)
             self._shapes = []
             return
@@ -373,11 +373,11 @@ class Engine:
             self._shapes_s += time.perf_counter() - started
         self._shapes = self._shapes[1:]
         if not self._shapes:
-            log.info("model %s ran its batched start shapes in %.2f s, idle", self.loaded.name, self._shapes_s)
+            log.info("model %s ran its idle call shapes in %.2f s", self.loaded.name, self._shapes_s)
 
     @property
     def shapes_to_warm(self) -> int:
-        """Returns how many batched start shapes the idle engine has yet to run."""
+        """Returns how many call shapes the idle engine has yet to run."""
         return len(self._shapes)
 
     def _gather(self, commands: _Commands) -> None:

@@ -4,8 +4,8 @@ detokenizer; on GPUs a prompt of two full prefill chunks, and a batch's changes:
 started together, joining, leaving, a restored row starting beside a new one). MLX
 compiles GPU kernels per shape and per kind of index, and MLX CUDA builds an attention
 graph per shape on each thread: a first request would pay for them otherwise. Once the
-model is ready, an idle engine runs the batched start calls of short prompts' waves one
-shape at a time (`start_shapes`, `run_start_shape`), so a first wave meets none new."""
+model is ready, an idle engine runs the calls of short requests one shape at a time
+(`idle_shapes`, `run_shape`): their cuDNN graphs are kept per process only."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Say hello."})
 WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
 WARM_UP_TOKENS = 3
+DECODE_ACROSS = (256, 512)  # one row decodes across KV buffers of these lengths while idle (`call_shapes`)
+DECODE_ACROSS_TOKENS = 6  # tokens it generates: the last of its prompt's buffer, then the next one's
 BATCH_CHANGES_VERSION = 2  # one more with each change that `run_batch_changes` makes
 
 
@@ -153,24 +155,31 @@ def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:
     return [min(2 * limits.prefill_chunk_tokens, context_tokens - 1) + 1]
 
 
-def start_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
-    """Returns, on GPUs, the (rows, padded length) of the batched start calls a wave of
-    short prompts may make (`batched_start_shapes`); none on CPUs, whose calls build no
-    graph per shape."""
-    return batched_start_shapes(limits) if device_kind() == "gpu" else []
+def idle_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
+    """Returns, on GPUs, the call shapes an idle engine runs ahead of the requests that
+    would meet them first (`call_shapes`); none on CPUs, whose calls build no graph per
+    shape."""
+    return call_shapes(limits) if device_kind() == "gpu" else []
 
 
-def batched_start_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
-    """Returns the (rows, padded length) of the batched start calls of short prompts,
-    cheapest first: each power of two of rows from 2 to `max_running` (the scheduler's row
-    groups) by each power-of-two length up to a whole shape (`padded_length`), where rows
-    padded to that length can start in one idle step. On an H100 the first wave of 8
-    requests over HTTP took 0.25-0.33 s of start calls against 0.12-0.14 s for the next,
-    its shapes unseen (cuDNN builds a graph per shape, ~50 ms: BENCHMARKS.md)."""
+def call_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
+    """Returns (rows, length) call shapes of short requests, cheapest first (rows x length):
+
+    - rows > 1: the batched start calls of short prompts, each power of two of rows from 2
+      to `max_running` (the scheduler's row groups) by each power-of-two length up to a
+      whole shape (`padded_length`), where rows padded to that length can start in one
+      idle step. On an H100 the first wave of 8 requests over HTTP took 0.25-0.33 s of
+      start calls against 0.12-0.14 s for the next, its shapes unseen (cuDNN builds a
+      graph per shape, ~50 ms: BENCHMARKS.md).
+    - rows = 1: one row decoding across a KV buffer of `length` tokens (`DECODE_ACROSS`).
+      MLX CUDA's one-query attention runs through a cuDNN graph, per buffer length, once
+      the keys reach 256 tokens: on an H100 a lone request's first two such passes took
+      0.49-0.66 s each (kernels compiled, then kept) and ~50 ms in a later process."""
     budget = limits.prefill_chunk_tokens * IDLE_BUDGET_FACTOR
     lengths = [n for n in (MIN_SHAPE_TOKENS << i for i in range(16)) if n <= GPU_SHAPE_TOKENS]
     rows = [r for r in (2 << i for i in range(16)) if r <= limits.max_running]
-    shapes = [(r, n) for r in rows for n in lengths if r * shortest_padded_to(n) <= budget]
+    shapes = [(1, n) for n in DECODE_ACROSS]
+    shapes += [(r, n) for r in rows for n in lengths if r * shortest_padded_to(n) <= budget]
     return sorted(shapes, key=lambda shape: shape[0] * shape[1])
 
 
@@ -179,17 +188,21 @@ def shortest_padded_to(length: int) -> int:
     return length // 2 + 1 if length > MIN_SHAPE_TOKENS else 1
 
 
-def run_start_shape(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...], rows: int,
-                    length: int) -> list:
-    """Starts, on an idle scheduler, `rows` prompts of unlike lengths padded to `length`
-    tokens in one call, as a wave of short prompts would (made of `prompt`), runs the
-    decode pass after it, and removes them; returns the step's calls
-    (`Scheduler.last_calls`). Nothing is kept."""
-    longest = min(length, scheduler.chunk_tokens * IDLE_BUDGET_FACTOR // rows)
+def run_shape(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...], rows: int,
+              length: int) -> list:
+    """Runs one of `call_shapes` on an idle scheduler, made of `prompt`, and leaves nothing
+    behind; returns the calls of the steps it took (`Scheduler.last_calls`). Rows > 1:
+    prompts of unlike lengths padded to `length` tokens started in one call, as a wave of
+    short prompts would be, and the decode pass after it. One row: a prompt decoding
+    across `length` tokens."""
     repeated = prompt * (length // max(1, len(prompt)) + 2)
+    if rows == 1:  # one token more than it computes: the first decode step's input
+        return run_alone(scheduler, Slot(GenerationRequest(repeated[:length - 1], DECODE_ACROSS_TOKENS,
+                                                           WARM_UP_SAMPLING[0]), loaded))
+    longest = min(length, scheduler.chunk_tokens * IDLE_BUDGET_FACTOR // rows)
     uids = []
     try:
-        for i in range(rows):  # one token more than each computes: the first decode step's input
+        for i in range(rows):
             tokens = repeated[:max(shortest_padded_to(length), longest - i) + 1]
             request = GenerationRequest(tokens, WARM_UP_TOKENS, WARM_UP_SAMPLING[0])
             uids.append(scheduler.insert(**Slot(request, loaded).insert_args()))
@@ -200,16 +213,19 @@ def run_start_shape(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int
             scheduler.remove(uid, keep_cache=False)
 
 
-def run_alone(scheduler: Scheduler, slot: Slot) -> None:
-    """Generates `slot`'s request to its end on an idle scheduler, delivering nothing."""
+def run_alone(scheduler: Scheduler, slot: Slot) -> list:
+    """Generates `slot`'s request to its end on an idle scheduler, delivering nothing;
+    returns the calls of its steps (`Scheduler.last_calls`)."""
     uid = scheduler.insert(**slot.insert_args())
-    done = False
+    calls, done = [], False
     while not done:
         _, generated = scheduler.step()
+        calls += scheduler.last_calls
         for r in generated:
             done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
         scheduler.advance()
     scheduler.remove(uid, keep_cache=False)
+    return calls
 
 
 def described(parts: dict[str, float]) -> str:

@@ -305,12 +305,11 @@ def test_only_cuda_sticky_errors_count_as_a_lost_gpu(message, lost):
 
 @pytest.fixture
 def as_on_gpus(monkeypatch):
-    """An engine that runs the batched start shapes while idle, as on GPUs, soon after its
-    last work."""
+    """An engine that runs the call shapes while idle, as on GPUs, soon after its last work."""
     from appliance.engine import engine as engine_module
-    from appliance.engine.warm_up import batched_start_shapes
+    from appliance.engine.warm_up import call_shapes
 
-    monkeypatch.setattr(engine_module, "start_shapes", batched_start_shapes)
+    monkeypatch.setattr(engine_module, "idle_shapes", call_shapes)
     monkeypatch.setattr(engine_module, "IDLE_QUIET_S", 0.3)
     return engine_module
 
@@ -322,7 +321,7 @@ def wait_for_shapes(eng: Engine, timeout_s: float = 60.0) -> None:
     assert eng.shapes_to_warm == 0
 
 
-def test_an_idle_engine_runs_the_batched_start_shapes(loaded_model, as_on_gpus, caplog):
+def test_an_idle_engine_runs_the_call_shapes(loaded_model, as_on_gpus, caplog):
     """Each shape runs as a wave of short prompts would start, while nothing else does; a
     request before them and after them gets the same answer, and none is counted."""
     limits = BatchingSpec(max_running=4, prefill_chunk_tokens=64)
@@ -331,7 +330,7 @@ def test_an_idle_engine_runs_the_batched_start_shapes(loaded_model, as_on_gpus, 
         with caplog.at_level("INFO", logger="omlx.engine"):
             first = asyncio.run(run(eng, request(loaded_model, QUESTIONS[0])))
             wait_for_shapes(eng)
-            assert "ran its batched start shapes" in caplog.text
+            assert "ran its idle call shapes" in caplog.text
         assert len(eng.recent) == 1  # the shapes are no request
         assert asyncio.run(run(eng, request(loaded_model, QUESTIONS[0]))) == first
     finally:
@@ -342,7 +341,7 @@ def test_a_failed_start_shape_leaves_the_rest_to_requests(loaded_model, as_on_gp
     def fail(*args):
         raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
 
-    monkeypatch.setattr(as_on_gpus, "run_start_shape", fail)
+    monkeypatch.setattr(as_on_gpus, "run_shape", fail)
     eng = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=64)).start_warm()
     try:
         wait_for_shapes(eng)

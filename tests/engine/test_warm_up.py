@@ -6,11 +6,12 @@ import pytest
 
 from appliance.engine.scheduler import Scheduler, padded_length
 from appliance.engine.warm_up import (
-    batched_start_shapes,
+    DECODE_ACROSS,
+    call_shapes,
     gpu_warm_up_lengths,
+    idle_shapes,
     run_batch_changes,
-    run_start_shape,
-    start_shapes,
+    run_shape,
     warm_up,
 )
 from appliance.spec import BatchingSpec
@@ -83,16 +84,18 @@ def test_off_cuda_there_is_no_mark(loaded_model):
     assert batch_changes_mark(loaded_model.model) is None  # CPU here; Metal keeps no kernels either
 
 
-def test_the_start_shapes_are_those_a_wave_starts_in_one_idle_step():
-    shapes = batched_start_shapes(BatchingSpec(prefill_chunk_tokens=2048, max_running=32))
-    assert {rows for rows, _ in shapes} == {2, 4, 8, 16, 32}  # the scheduler's row groups
-    assert {length for _, length in shapes} == {32, 64, 128, 256}  # padded lengths below a whole shape
-    assert shapes[0] == (2, 32) and (32, 256) in shapes  # 32 prompts of 129 tokens start at once
+def test_the_call_shapes_are_a_lone_decode_and_the_starts_of_a_wave_in_one_idle_step():
+    shapes = call_shapes(BatchingSpec(prefill_chunk_tokens=2048, max_running=32))
+    starts = [(rows, length) for rows, length in shapes if rows > 1]
+    assert {rows for rows, _ in starts} == {2, 4, 8, 16, 32}  # the scheduler's row groups
+    assert {length for _, length in starts} == {32, 64, 128, 256}  # padded lengths up to a whole shape
+    assert starts[0] == (2, 32) and (32, 256) in starts  # 32 prompts of 129 tokens start at once
+    assert [(1, n) for n in DECODE_ACROSS] == [shape for shape in shapes if shape[0] == 1]
     assert [r * n for r, n in shapes] == sorted(r * n for r, n in shapes)  # cheapest first
     # A budget of 4 x 64 tokens starts 8 prompts of up to 32 tokens, 4 of up to 64, 2 of up to 128.
-    assert batched_start_shapes(BatchingSpec(prefill_chunk_tokens=64, max_running=8)) == [
-        (2, 32), (2, 64), (4, 32), (2, 128), (4, 64), (8, 32)]
-    assert start_shapes(BatchingSpec()) == []  # CPU here: no graph per shape to build
+    assert call_shapes(BatchingSpec(prefill_chunk_tokens=64, max_running=8)) == [
+        (2, 32), (2, 64), (4, 32), (1, 256), (2, 128), (4, 64), (8, 32), (1, 512)]
+    assert idle_shapes(BatchingSpec()) == []  # CPU here: no graph per shape to build
 
 
 @pytest.mark.parametrize("chunk_tokens, rows, length", [(2048, 4, 64), (2048, 2, 256), (2048, 8, 32), (64, 2, 128)])
@@ -100,6 +103,17 @@ def test_a_start_shape_starts_its_rows_in_one_padded_call(loaded_model, chunk_to
     """As on GPUs: pipelined rows, shapes in whole multiples, batches by length."""
     scheduler = Scheduler(loaded_model.model, chunk_tokens=chunk_tokens, lookahead=True, shape_tokens=256, apart=True)
     prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Say hello."}]))
-    calls = run_start_shape(scheduler, loaded_model, prompt, rows, length)
+    calls = run_shape(scheduler, loaded_model, prompt, rows, length)
     assert [c[:3] for c in calls] == [("start", rows, length), ("pass", rows, calls[1][2])]
     assert len(scheduler) == 0 and scheduler.extract(0) == (None, None)  # nothing is kept
+
+
+@pytest.mark.parametrize("length", DECODE_ACROSS)
+def test_a_lone_decode_shape_decodes_across_its_buffer_length(loaded_model, length):
+    scheduler = Scheduler(loaded_model.model, chunk_tokens=2048, lookahead=True, shape_tokens=256, apart=True)
+    prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Say hello."}]))
+    calls = run_shape(scheduler, loaded_model, prompt, 1, length)
+    assert [c[:3] for c in calls if c[0] == "start"] == [("start", 1, length - 2)]
+    buffers = [c[2] for c in calls if c[0] == "pass"]
+    assert all(c[1] == 1 for c in calls) and buffers[0] == length < buffers[-1]  # a buffer full, then grown
+    assert len(scheduler) == 0
