@@ -13,15 +13,13 @@ Variants, each on the same prompts in one process: `padded` (rows of different l
 attention with an array mask, MLX CUDA's unfused path), `equal` (rows of one length,
 which mlx-lm's BatchKVCache masks all the same), `fused` (padded, each layer's q/k/v
 and gate/up projections one matmul each: appliance/models/fuse.py), `native` (fused,
-and the Linear layers' matmuls of 2-16 rows run by our kernel: models/native_linear.py;
-on CUDA only; `native:W:C:B` with small_matmul's WARPS, CHUNKS and COLS set for the pass,
-each optional as in bench/matmul_host.py's kinds), `nogc` (padded,
+and the Linear layers' matmuls of 2-8 rows run by our kernel: models/native_linear.py;
+on CUDA only), `nogc` (padded,
 Python's collector off), `pinned` (padded, this thread held to one CPU), `busy`
 (padded, a Python thread beside it holding the GIL in slices, as an event loop serving
 streams would).
 
     python bench/decode_host.py --shape 8b --tokenizer .gpu/tok --out OUT.json   # GPU
-    python bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --variants native,native:8:8,native:8:4:2  # GPU
     .venv/bin/python bench/decode_host.py --shape tiny --steps 16 --rows 2 --variants padded,equal  # CPU
 """
 
@@ -44,32 +42,9 @@ import mlx.core as mx  # noqa: E402
 from appliance.kernels import small_matmul  # noqa: E402
 from appliance.models.native_linear import use_native_linear  # noqa: E402
 from bench.batch_steps import busy_beside  # noqa: E402
-from bench.matmul_host import native_choice  # noqa: E402
 from bench.prefill_paths import generated_model, log, prompt_of  # noqa: E402
 
-VARIANTS = ("padded", "equal", "fused", "native", "nogc", "pinned", "busy")  # and native:W:C:B
-
-
-def is_native(name: str) -> bool:
-    """Whether variant `name` runs our kernel (`native` or `native:W:C:B`)."""
-    return name.split(":")[0] == "native"
-
-
-def variants_of(text: str) -> list[str]:
-    """Returns the comma-separated variants of `text`, each one of VARIANTS or `native:W:C:B`."""
-    variants = text.split(",")
-    for name in variants:
-        if name in VARIANTS:
-            continue
-        try:
-            if not is_native(name):
-                raise ValueError(name)
-            native_choice(name)  # ValueError where malformed
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"variant {name!r} is not one of {', '.join(VARIANTS)} or native:WARPS:CHUNKS:COLS "
-                "(positive integers, each optional)") from None
-    return variants
+VARIANTS = ("padded", "equal", "fused", "native", "nogc", "pinned", "busy")
 
 
 class Probe:
@@ -185,18 +160,11 @@ def in_variant(name: str, fusion: Fusion | None = None):
     if name == "fused" and fusion is not None:
         fusion.set(True)
         return lambda: fusion.set(False)
-    if is_native(name) and fusion is not None:
+    if name == "native" and fusion is not None:
         fusion.set(True)
         small_matmul.ENABLED = mx.cuda.is_available()  # elsewhere `native` is `fused`
-        # the choices NativeLinear's calls take (small_matmul reads them each call); unnamed ones stay
-        before = {key: getattr(small_matmul, key.upper()) for key in ("warps", "chunks", "cols")}
-        for key, value in native_choice(name).items():
-            if value is not None:
-                setattr(small_matmul, key.upper(), value)
 
         def undo() -> None:
-            for key, value in before.items():
-                setattr(small_matmul, key.upper(), value)
             small_matmul.ENABLED = False
             fusion.set(False)
 
@@ -221,8 +189,7 @@ def main() -> int:
     parser.add_argument("--rows", default="8", help="rows per batch, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", type=variants_of, default=",".join(VARIANTS),
-                        help=f"any of {', '.join(VARIANTS)}, native:W:C:B (warps, chunks, column tiles; each optional)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--memory-limit-gb", type=float, default=60.0)
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -231,8 +198,7 @@ def main() -> int:
     log(f"model {args.shape} generated in {model_s} s on {mx.default_device()}")
     probe = Probe(model)
     fusion = None
-    natives = list(dict.fromkeys(["native", *filter(is_native, args.variants)]))  # each warmed up once
-    if "fused" in args.variants or any(map(is_native, args.variants)):
+    if {"fused", "native"} & set(args.variants.split(",")):
         fusion = Fusion(model)  # its weights beside the model's own: more device memory
         use_native_linear(model)  # the own and the fused Linear layers; off but in `native`
         fusion.set(False)
@@ -244,13 +210,12 @@ def main() -> int:
         equal = [prompt_of(rng, 128) for _ in range(n)]
         run(model, probe, padded, steps=8)  # the shapes' kernels, once
         run(model, probe, equal, steps=8)
-        if fusion is not None:  # the native kernels each variant takes, compiled before it is timed
-            for name in natives:
-                undo = in_variant(name, fusion)
-                run(model, probe, padded, steps=8)
-                undo()
+        if fusion is not None:
+            undo = in_variant("native", fusion)
+            run(model, probe, padded, steps=8)
+            undo()
         for r in range(args.rounds):
-            for name in args.variants:
+            for name in args.variants.split(","):
                 if name == "busy" and not busy:  # last: it stays on once started
                     busy_beside(0.25)
                     busy = True

@@ -1,28 +1,23 @@
 // A matmul of a few rows, y = x @ w.T, as a decode pass makes them (one row per sequence),
 // on tensor cores. Compiled by NVRTC after prelude.cuh (kernels/cubins.py), one instance
-// per (T, TILES, WARPS, CHUNKS, COLS): kernels/small_matmul.py appends the extern "C" kernel
-// that instantiates the template and runs it through mx.fast.precompiled_cuda_kernel
-// (inputs, outputs, then scalars). It exists for the host's sake: MLX runs such a matmul
-// through cuBLASLt, which costs the host 11-15 µs a call on an H100 (19-29 on a slower host:
+// per (T, TILES, WARPS): kernels/small_matmul.py appends the extern "C" kernel that
+// instantiates the template and runs it through mx.fast.precompiled_cuda_kernel (inputs,
+// outputs, then scalars). It exists for the host's sake: MLX runs such a matmul through
+// cuBLASLt, which costs the host 11-15 µs a call on an H100 (19-29 on a slower host:
 // descriptors and a heuristic made anew each time, and a stream capture), about the GPU's
 // own time for most of a decode pass's matmuls.
 //
 // Inputs:  x  T [M, K]  row-major
 //          w  T [N, K]  row-major (a Linear's weight)
 // Output:  y  T [M, N]
-// Scalars: M, N, K  with M <= 8 * TILES, N % (16 * COLS) == 0, K % 32 == 0, x and w 16-byte aligned
-// Template: T (bf16 | f16), TILES (8-row tiles of x), WARPS (warps that split K), CHUNKS
-//           (32-value chunks of K a warp loads before its mmas, as written: ptxas of CUDA 13.0
-//           interleaves each chunk's loads with its mmas whatever CHUNKS is, so it mostly
-//           unrolls the loop), COLS (16-column tiles of y a block computes).
+// Scalars: M, N, K  with M <= 8 * TILES, N % 16 == 0, K % 32 == 0, x and w 16-byte aligned
+// Template: T (bf16 | f16), TILES (8-row tiles of x), WARPS (warps that split K).
 //
-// Each block computes 16 * COLS columns of y (as many rows of w) for every row of x: its
-// warps take 32-value chunks of K in turn, CHUNKS at a time, each with one mma.m16n8k16 per
-// 16 values, 8-row tile and column tile, and add their partial sums through shared memory.
-// A warp loads a chunk of x once for all COLS column tiles, so COLS = 2 halves the reads of
-// x per byte of w, for COLS * TILES * 4 registers of sums. The k order inside a chunk is a permutation the A (w) and B (x) fragments
-// share: each thread loads 16 contiguous bytes of a row of w (two rows per column tile: g
-// and g + 8) and of a row of x, so every load is a full vector.
+// Each block computes 16 columns of y (16 rows of w) for every row of x: its warps take
+// 32-value chunks of K in turn, each with one mma.m16n8k16 per 16 values and 8-row tile,
+// and add their partial sums through shared memory. The k order inside a chunk is a
+// permutation the A (w) and B (x) fragments share: each thread loads 16 contiguous bytes
+// of a row of w (two rows: g and g + 8) and of a row of x, so every load is a full vector.
 
 // c += a (16 x 16, row-major) x b (16 x 8, column-major), a and b of T, c of float
 #define OMLX_MMA16816(PTX_TYPE)                                                                        \
@@ -50,46 +45,34 @@ __device__ __forceinline__ Vec16 load_streaming(const Vec16* p) {  // read once:
   return v;
 }
 
-template <typename T, int TILES, int WARPS, int CHUNKS, int COLS>
+template <typename T, int TILES, int WARPS>
 __device__ __forceinline__ void small_matmul(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                                              int M, int N, int K) {
-  // the partial sums of every warp: a static array, so at most 48 KiB (kernels/small_matmul.py refuses more)
-  static_assert(WARPS * 8 * TILES * 16 * COLS * sizeof(float) <= 48 * 1024, "partial sums beyond 48 KiB");
+  constexpr int UNROLL = TILES >= 4 ? 1 : 4 / TILES;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int g = lane / 4;    // the mma's group: a row of w (and g + 8) per column tile, a row of x per tile
+  const int g = lane / 4;    // the mma's group: a row of w (and g + 8), a row of x per tile
   const int tig = lane % 4;  // the thread in its group: which 16 bytes of a chunk
-  const int n0 = blockIdx.x * 16 * COLS;
+  const int n0 = blockIdx.x * 16;
   const int chunks = K / 32;
   const i64 row_vecs = K / 8;  // 16-byte vectors in a row
-  const Vec16* w_lo[COLS];
-  const Vec16* w_hi[COLS];
-#pragma unroll
-  for (int b = 0; b < COLS; ++b) {
-    w_lo[b] = reinterpret_cast<const Vec16*>(w) + (n0 + b * 16 + g) * row_vecs + tig;
-    w_hi[b] = w_lo[b] + 8 * row_vecs;
-  }
+  const Vec16* w_lo = reinterpret_cast<const Vec16*>(w) + (n0 + g) * row_vecs + tig;
+  const Vec16* w_hi = w_lo + 8 * row_vecs;
   const Vec16* xs = reinterpret_cast<const Vec16*>(x) + tig;
-  float acc[COLS][TILES][4];
+  float acc[TILES][4];
 #pragma unroll
-  for (int b = 0; b < COLS; ++b) {
-#pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-      acc[b][t][0] = acc[b][t][1] = acc[b][t][2] = acc[b][t][3] = 0.f;
-    }
+  for (int t = 0; t < TILES; ++t) {
+    acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
   }
   const Vec16 zero = {0u, 0u, 0u, 0u};
-  for (int c = warp; c < chunks; c += WARPS * CHUNKS) {
-    Vec16 lo[CHUNKS][COLS], hi[CHUNKS][COLS], xv[CHUNKS][TILES];
+  for (int c = warp; c < chunks; c += WARPS * UNROLL) {
+    Vec16 lo[UNROLL], hi[UNROLL], xv[UNROLL][TILES];
 #pragma unroll
-    for (int u = 0; u < CHUNKS; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int cc = c + u * WARPS;
       const bool in = cc < chunks;
-#pragma unroll
-      for (int b = 0; b < COLS; ++b) {
-        lo[u][b] = in ? load_streaming(w_lo[b] + cc * 4) : zero;
-        hi[u][b] = in ? load_streaming(w_hi[b] + cc * 4) : zero;
-      }
+      lo[u] = in ? load_streaming(w_lo + cc * 4) : zero;
+      hi[u] = in ? load_streaming(w_hi + cc * 4) : zero;
 #pragma unroll
       for (int t = 0; t < TILES; ++t) {
         const int m = t * 8 + g;
@@ -97,34 +80,28 @@ __device__ __forceinline__ void small_matmul(const T* __restrict__ x, const T* _
       }
     }
 #pragma unroll
-    for (int u = 0; u < CHUNKS; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
-      for (int b = 0; b < COLS; ++b) {
-#pragma unroll
-        for (int t = 0; t < TILES; ++t) {
-          mma16816<T>(acc[b][t], lo[u][b].x, hi[u][b].x, lo[u][b].y, hi[u][b].y, xv[u][t].x, xv[u][t].y);
-          mma16816<T>(acc[b][t], lo[u][b].z, hi[u][b].z, lo[u][b].w, hi[u][b].w, xv[u][t].z, xv[u][t].w);
-        }
+      for (int t = 0; t < TILES; ++t) {
+        mma16816<T>(acc[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u][t].x, xv[u][t].y);
+        mma16816<T>(acc[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u][t].z, xv[u][t].w);
       }
     }
   }
-  // acc[b][t]: {0, 1} are (n0 + b*16 + g, rows t*8 + 2*tig + {0, 1}) of y, {2, 3} the same 8 columns on
-  __shared__ float partial[WARPS][8 * TILES][16 * COLS];
+  // acc[t]: {0, 1} are (n0 + g, rows t*8 + 2*tig + {0, 1}) of y, {2, 3} the same at n0 + g + 8
+  __shared__ float partial[WARPS][8 * TILES][16];
 #pragma unroll
-  for (int b = 0; b < COLS; ++b) {
+  for (int t = 0; t < TILES; ++t) {
 #pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        partial[warp][t * 8 + 2 * tig + e][b * 16 + g] = acc[b][t][e];
-        partial[warp][t * 8 + 2 * tig + e][b * 16 + g + 8] = acc[b][t][2 + e];
-      }
+    for (int e = 0; e < 2; ++e) {
+      partial[warp][t * 8 + 2 * tig + e][g] = acc[t][e];
+      partial[warp][t * 8 + 2 * tig + e][g + 8] = acc[t][2 + e];
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < M * 16 * COLS; i += WARPS * 32) {
-    const int m = i / (16 * COLS);
-    const int n = i % (16 * COLS);
+  for (int i = threadIdx.x; i < M * 16; i += WARPS * 32) {
+    const int m = i / 16;
+    const int n = i % 16;
     float sum = 0.f;
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) {
