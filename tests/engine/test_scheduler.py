@@ -547,3 +547,26 @@ def test_short_attention_follows_the_limits(loaded_model):
     assert not s.composing  # fused by default
     s.set_limits(BatchingSpec(short_attention="composed", prefill_chunk_tokens=256))
     assert s.composing and s.chunk_tokens == 256
+
+
+def test_a_batched_start_call_is_priced_at_what_it_was_measured_to_cost(loaded_model):
+    """One more start call costs its own overhead and its rows' merge into the batch (the
+    pass after it), beyond its tokens: measured from the steps that start batched calls,
+    the fewest seconds a call yet, and worth at least a decode pass."""
+    s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    uids = [insert(s, tokens(40 + seed, seed)) for seed in range(3)]
+    s.step()  # one batched call of three prompts, then their first pass
+    assert s._call_s is not None and s._call_s > 0
+    assert s._pass_tokens() == max(s._pass_s, s._call_s) / s._fastest_start_s_per_token
+    for uid in uids:
+        s.remove(uid, keep_cache=False)
+    s._call_s, s._pass_s, s._fastest_start_s_per_token = None, 0.005, 1e-5
+    s._batched_start = (2, 1000)  # two calls of 1,000 padded tokens in all, then one pass
+    s._measure_call(0.1, passes=1)
+    assert s._call_s == pytest.approx((0.1 - 1000 * 1e-5 - 0.005) / 2)
+    assert s._pass_tokens() == pytest.approx(s._call_s / 1e-5)
+    s._measure_call(0.2, passes=1)  # a slower step (a new shape's compile) leaves the fewest
+    assert s._call_s == pytest.approx(0.0425)
+    insert(s, tokens(40))
+    s.step()  # a lone prompt's call (the plain path) is not a batched one: not measured
+    assert s._batched_start == (0, 0) and s._call_s == pytest.approx(0.0425)
