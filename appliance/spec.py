@@ -154,6 +154,9 @@ class ModelSpec(Frozen):
     # One matmul for each layer's q/k/v projections and one for gate/up (models/fuse.py):
     # less host work per decode pass. "auto": on CUDA, where a decode pass is host-bound.
     fuse_projections: Literal["auto", "on", "off"] = "auto"
+    # Each Llama block's decode calls as two compiled functions (models/compiled_blocks.py):
+    # less host work per decode pass. "auto": on CUDA. Off until measured over HTTP.
+    compile_blocks: Literal["auto", "on", "off"] = "off"
 
     @model_validator(mode="after")
     def _beyond_needs_a_limit(self) -> ModelSpec:

@@ -14,7 +14,8 @@ attention with an array mask, MLX CUDA's unfused path), `equal` (rows of one len
 which mlx-lm's BatchKVCache masks all the same), `fused` (padded, each layer's q/k/v
 and gate/up projections one matmul each: appliance/models/fuse.py), `native` (fused,
 and the Linear layers' matmuls of 2-8 rows run by our kernel: models/native_linear.py;
-on CUDA only), `nogc` (padded,
+on CUDA only), `compiled` (native, and each block's decode call before and after its
+attention two compiled functions: models/compiled_blocks.py), `nogc` (padded,
 Python's collector off), `pinned` (padded, this thread held to one CPU), `busy`
 (padded, a Python thread beside it holding the GIL in slices, as an event loop serving
 streams would).
@@ -38,13 +39,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
 
 from appliance.kernels import small_matmul  # noqa: E402
+from appliance.models.compiled_blocks import CompiledBlock, compile_blocks  # noqa: E402
 from appliance.models.native_linear import use_native_linear  # noqa: E402
 from bench.batch_steps import busy_beside  # noqa: E402
 from bench.prefill_paths import generated_model, log, prompt_of  # noqa: E402
 
-VARIANTS = ("padded", "equal", "fused", "native", "nogc", "pinned", "busy")
+VARIANTS = ("padded", "equal", "fused", "native", "compiled", "nogc", "pinned", "busy")
 
 
 class Probe:
@@ -132,6 +135,7 @@ class Fusion:
     def __init__(self, model):
         from appliance.models.fuse import GROUPS, fuse_projections
 
+        self.model = model
         members = [m for group in GROUPS.values() for m in group]
         self._own = [(p, {m: p[m] for m in members if m in p}) for _, p in model.named_modules()]
         fuse_projections(model)
@@ -169,6 +173,19 @@ def in_variant(name: str, fusion: Fusion | None = None):
             fusion.set(False)
 
         return undo
+    if name == "compiled" and fusion is not None:
+        fusion.set(True)
+        small_matmul.ENABLED = mx.cuda.is_available()
+        compile_blocks(fusion.model)
+
+        def undo() -> None:
+            for _, module in fusion.model.named_modules():
+                if type(module) is CompiledBlock:
+                    module.__class__ = llama.TransformerBlock
+            small_matmul.ENABLED = False
+            fusion.set(False)
+
+        return undo
     if name == "nogc":
         gc.disable()
         return gc.enable
@@ -198,7 +215,7 @@ def main() -> int:
     log(f"model {args.shape} generated in {model_s} s on {mx.default_device()}")
     probe = Probe(model)
     fusion = None
-    if {"fused", "native"} & set(args.variants.split(",")):
+    if {"fused", "native", "compiled"} & set(args.variants.split(",")):
         fusion = Fusion(model)  # its weights beside the model's own: more device memory
         use_native_linear(model)  # the own and the fused Linear layers; off but in `native`
         fusion.set(False)
@@ -210,8 +227,8 @@ def main() -> int:
         equal = [prompt_of(rng, 128) for _ in range(n)]
         run(model, probe, padded, steps=8)  # the shapes' kernels, once
         run(model, probe, equal, steps=8)
-        if fusion is not None:
-            undo = in_variant("native", fusion)
+        for name in ("native", "compiled") if fusion is not None else ():
+            undo = in_variant(name, fusion)
             run(model, probe, padded, steps=8)
             undo()
         for r in range(args.rounds):

@@ -416,7 +416,7 @@ def test_dump_is_fully_resolved(tmp_path):
     assert data["batching"]["max_running"] == 8
     assert data["models"] == [{"name": "tiny", "source": "tiny.gguf", "default": False, "dtype": "auto",
                                "allow_beyond_trained_context": False, "default_max_tokens": 512,
-                               "fuse_projections": "auto"}]
+                               "fuse_projections": "auto", "compile_blocks": "off"}]
 
 
 def test_hash_changes_when_a_key_changes(tmp_path):

@@ -29,6 +29,7 @@ from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import Laps, described, warm_up
 from appliance.models import preload
+from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
 from appliance.models.memory import room_beside
@@ -69,6 +70,7 @@ def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
         mx.eval(model.parameters())
         fuse_as_asked(model, spec.fuse_projections)  # the model's own shapes
         native_linear_here(model)  # and its own matmuls
+        compile_as_asked(model, spec.compile_blocks)  # and its own compiled decode calls
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer,
                        context_tokens=context_tokens(spec, config), dtype=dtype or "checkpoint",

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from appliance.models import preload
+from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.native_linear import native_linear_here
 from appliance.models.weights import load_weights, weight_files
@@ -90,6 +91,7 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
     weights_s += time.perf_counter() - evaluated
     fused = fuse_as_asked(model, spec.fuse_projections)
     native = native_linear_here(model)
+    compiled = compile_as_asked(model, spec.compile_blocks)
     weights_gb = sum(f.stat().st_size for f in weight_files(path)) / 1e9
     context = context_tokens(spec, config)
     actual = dtype or str(next(iter_float_dtypes(model), "unknown")).removeprefix("mlx.core.")
@@ -99,7 +101,8 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
              spec.name, path, actual, context, loaded.load_s, loader, weights_gb, weights_s,
              weights_gb / weights_s if weights_s > 0 else 0.0,
              (f"; {fused} projection groups fused" if fused else "")
-             + (f"; {native} Linear layers can run natively" if native else ""))
+             + (f"; {native} Linear layers can run natively" if native else "")
+             + (f"; {compiled} blocks decode compiled" if compiled else ""))
     return loaded
 
 

@@ -349,3 +349,25 @@ def test_a_failed_start_shape_leaves_the_rest_to_requests(loaded_model, as_on_gp
         assert reason == "stop" and "Paris" in text
     finally:
         eng.stop(drain_s=0)
+
+
+def test_an_engine_of_compiled_blocks_decodes_as_the_plain_one(loaded_model):
+    """`compile_blocks = "on"`: the engine's decode passes (batch caches) run the compiled
+    calls, and a batch's greedy tokens are the plain model's."""
+    from appliance.models.loaded import load_model
+    from tests.conftest import REPO, TEST_CACHE
+
+    compiled = load_model(loaded_model.spec.model_copy(update={"compile_blocks": "on"}), base_dir=REPO,
+                          cache_dir=TEST_CACHE)
+
+    def answers(model) -> list[list[int]]:
+        eng = Engine(model, BatchingSpec(max_running=4)).start()
+        try:
+            async def main():
+                return await asyncio.gather(*(run(eng, request(model, q)) for q in QUESTIONS))
+            return [tokens for tokens, _, _ in asyncio.run(main())]
+        finally:
+            eng.stop(drain_s=0)
+
+    assert answers(compiled) == answers(loaded_model)
+    assert "_compiled_parts" in compiled.model.model.layers[0].__dict__

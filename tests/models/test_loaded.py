@@ -51,3 +51,26 @@ def test_a_model_asked_to_fuse_its_projections_loads_fused(gguf_path, loaded_mod
     assert isinstance(fused.model.model.layers[0].self_attn.k_proj, Part)
     assert "60 projection groups fused" in caplog.text  # 30 layers: q/k/v and gate/up each
     assert mx.allclose(fused.model(prompt), loaded_model[0](prompt), atol=1e-4).item()
+
+
+def test_a_model_asked_to_compile_its_blocks_decodes_the_same(gguf_path, loaded_model, caplog):
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from appliance.models.compiled_blocks import CompiledBlock
+    from appliance.models.loaded import load_model
+    from tests.conftest import REPO, TEST_CACHE
+
+    def decode(model) -> mx.array:
+        caches = [BatchKVCache([0, 2]) for _ in model.layers]
+        out = [model(mx.array([[1, 504, 2114, 314, 253], [0, 0, 1789, 30, 42]]), cache=caches)[:, -1]]
+        for _ in range(3):
+            out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=caches)[:, -1])
+        return mx.stack(out)
+
+    with caplog.at_level(logging.INFO, logger="omlx.models"):
+        compiled = load_model(ModelSpec(name="compiled", source=str(gguf_path), compile_blocks="on"),
+                              base_dir=REPO, cache_dir=TEST_CACHE)
+    assert type(compiled.model.model.layers[0]) is CompiledBlock
+    assert "30 blocks decode compiled" in caplog.text
+    assert mx.allclose(decode(compiled.model), decode(loaded_model[0]), atol=1e-4).item()
