@@ -550,8 +550,8 @@ def wait_ssd_written(url: str, *, timeout_s: float = 120.0) -> bool:
 
 
 def wait_idle_work(url: str, *, timeout_s: float = 60.0) -> float | None:
-    """Waits until omlx's engines have run their idle work that holds the GPU (the batched
-    start shapes, `shapes_to_warm`), so that it slows no baseline measured beside them;
+    """Waits until omlx's engines have run their idle work that holds the GPU (the call
+    shapes, `shapes_to_warm`), so that it slows no baseline measured beside them;
     returns the seconds waited, None when not done in time."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
