@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights,decodehost,matmulhost
+#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -162,6 +162,8 @@ omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 
 }
 case ",$STEPS," in *,composed,*)  # short calls' attention composed (no cuDNN graphs)
   omlx_ab composed --omlx-batching 'short_attention = "composed"' ;; esac
+case ",$STEPS," in *,compiled,*)  # each Llama block's decode calls compiled (models/compiled_blocks.py)
+  omlx_ab compiled --omlx-model 'compile_blocks = "on"' ;; esac
 case ",$STEPS," in *,gather,*)  # an idle engine gathers arrivals ([batching] gather_ms, GATHER_MS)
   for ms in ${GATHER_MS:-5}; do omlx_ab gather-$ms --omlx-batching "gather_ms = $ms"; done ;; esac
 case ",$STEPS," in *,nocache,*)  # no tier to store blocks in, so nothing restores before a start (over HTTP
