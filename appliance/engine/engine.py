@@ -27,7 +27,7 @@ from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
 from appliance.engine.slot import Slot
 from appliance.engine.step_trace import StepTrace
 from appliance.engine.thread import EngineThread
-from appliance.engine.warm_up import WARM_UP_CHAT, described, idle_shapes, run_shape, warm_up
+from appliance.engine.warm_up import WARM_UP_CHAT, described, idle_shapes, prefill_s_per_token, run_shape, warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
 from appliance.platform import device_kind
@@ -291,7 +291,8 @@ class Engine:
             return False
         self.warm_up_s = time.perf_counter() - started
         log.info("model %s warmed up in %.2f s (%s)", self.loaded.name, self.warm_up_s, described(parts))
-        self._shapes = idle_shapes(self.limits)
+        self._shapes = idle_shapes(self.limits, prefill_s_per_token(parts, self.limits, self.loaded.context_tokens,
+                                                                     self.prefill_tok_s))
         self._warm.set()
         return True
 

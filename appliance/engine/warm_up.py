@@ -31,6 +31,7 @@ WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Say hello."})
 WARM_UP_SAMPLING = (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0))
 WARM_UP_TOKENS = 3
+IDLE_PIECE_S = 1.0  # an idle call shape's tokens take at most this long (`idle_shapes`)
 DECODE_ACROSS = (256, 512)  # one row decodes across KV buffers of these lengths while idle (`call_shapes`)
 DECODE_ACROSS_TOKENS = 6  # tokens it generates: the last of its prompt's buffer, then the next one's
 BATCH_CHANGES_VERSION = 2  # one more with each change that `run_batch_changes` makes
@@ -155,11 +156,29 @@ def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:
     return [min(2 * limits.prefill_chunk_tokens, context_tokens - 1) + 1]
 
 
-def idle_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
-    """Returns, on GPUs, the call shapes an idle engine runs ahead of the requests that
-    would meet them first (`call_shapes`); none on CPUs, whose calls build no graph per
-    shape."""
-    return call_shapes(limits) if device_kind() == "gpu" else []
+def idle_shapes(limits: BatchingSpec, s_per_token: float | None) -> list[tuple[int, int]]:
+    """Returns, on CUDA, the call shapes an idle engine runs ahead of the requests that
+    would meet them first (`call_shapes`), those whose tokens take at most `IDLE_PIECE_S`
+    at `s_per_token` (the model's prefill; None: unknown, all), since a request arriving
+    waits for the shape under way; none elsewhere: cuDNN's graphs are CUDA's, and on a Mac
+    a large model's calls of thousands of tokens would run for seconds each, for nothing."""
+    if device_kind() != "gpu" or not mx.cuda.is_available():
+        return []
+    return [(rows, length) for rows, length in call_shapes(limits)
+            if s_per_token is None or rows * length * s_per_token <= IDLE_PIECE_S]
+
+
+def prefill_s_per_token(parts: dict[str, float], limits: BatchingSpec, context_tokens: int,
+                        prefill_tok_s: float | None) -> float | None:
+    """Returns the seconds a prompt token takes to prefill: from the model's measured
+    prefill speed where there is one (kept across restarts), else from the warm-up's long
+    prompt (its time includes its first graphs: an upper bound), else None."""
+    if prefill_tok_s:
+        return 1.0 / prefill_tok_s
+    lengths = gpu_warm_up_lengths(limits, context_tokens)
+    if lengths and parts.get("long prompt"):
+        return parts["long prompt"] / lengths[0]
+    return None
 
 
 def call_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:

@@ -309,7 +309,7 @@ def as_on_gpus(monkeypatch):
     from appliance.engine import engine as engine_module
     from appliance.engine.warm_up import call_shapes
 
-    monkeypatch.setattr(engine_module, "idle_shapes", call_shapes)
+    monkeypatch.setattr(engine_module, "idle_shapes", lambda limits, s_per_token: call_shapes(limits))
     monkeypatch.setattr(engine_module, "IDLE_QUIET_S", 0.3)
     return engine_module
 

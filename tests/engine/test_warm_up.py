@@ -10,6 +10,7 @@ from appliance.engine.warm_up import (
     call_shapes,
     gpu_warm_up_lengths,
     idle_shapes,
+    prefill_s_per_token,
     run_batch_changes,
     run_shape,
     warm_up,
@@ -95,7 +96,31 @@ def test_the_call_shapes_are_a_lone_decode_and_the_starts_of_a_wave_in_one_idle_
     # A budget of 4 x 64 tokens starts 8 prompts of up to 32 tokens, 4 of up to 64, 2 of up to 128.
     assert call_shapes(BatchingSpec(prefill_chunk_tokens=64, max_running=8)) == [
         (2, 32), (2, 64), (4, 32), (1, 256), (2, 128), (4, 64), (8, 32), (1, 512)]
-    assert idle_shapes(BatchingSpec()) == []  # CPU here: no graph per shape to build
+    assert idle_shapes(BatchingSpec(), None) == []  # CPU here: no graph per shape to build
+
+
+def test_idle_shapes_are_cuda_s_and_short_enough_to_wait_for(monkeypatch):
+    import mlx.core as mx
+
+    from appliance.engine import warm_up as module
+
+    limits = BatchingSpec(prefill_chunk_tokens=2048, max_running=32)
+    monkeypatch.setattr(module, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert idle_shapes(limits, None) == []  # a Mac: no cuDNN graphs, and long calls for nothing
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert idle_shapes(limits, None) == call_shapes(limits)
+    assert idle_shapes(limits, 1e-4) == [(r, n) for r, n in call_shapes(limits) if r * n <= 10_000]  # 1 s at most
+    assert idle_shapes(limits, 1e-2) == [(2, 32)]  # a large model: only what takes a second
+
+
+def test_the_prefill_rate_comes_from_the_measured_speed_else_the_long_prompt():
+    limits = BatchingSpec(prefill_chunk_tokens=512)
+    assert prefill_s_per_token({"long prompt": 2.0}, limits, 4096, 20_000.0) == 1 / 20_000
+    lengths = gpu_warm_up_lengths(limits, 4096)  # on GPUs [1025]; none here
+    want = 2.0 / lengths[0] if lengths else None
+    assert prefill_s_per_token({"long prompt": 2.0}, limits, 4096, None) == want
+    assert prefill_s_per_token({}, limits, 4096, None) is None
 
 
 @pytest.mark.parametrize("chunk_tokens, rows, length", [(2048, 4, 64), (2048, 2, 256), (2048, 8, 32), (64, 2, 128)])
