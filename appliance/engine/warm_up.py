@@ -237,13 +237,15 @@ def run_alone(scheduler: Scheduler, slot: Slot) -> list:
     returns the calls of its steps (`Scheduler.last_calls`)."""
     uid = scheduler.insert(**slot.insert_args())
     calls, done = [], False
-    while not done:
-        _, generated = scheduler.step()
-        calls += scheduler.last_calls
-        for r in generated:
-            done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
-        scheduler.advance()
-    scheduler.remove(uid, keep_cache=False)
+    try:
+        while not done:
+            _, generated = scheduler.step()
+            calls += scheduler.last_calls
+            for r in generated:
+                done = slot.on_token(r.token, r.logprobs, r.finish_reason)[1] is not None or done
+            scheduler.advance()
+    finally:  # a failed call leaves no row behind for the requests after it
+        scheduler.remove(uid, keep_cache=False)
     return calls
 
 

@@ -142,3 +142,17 @@ def test_a_lone_decode_shape_decodes_across_its_buffer_length(loaded_model, leng
     buffers = [c[2] for c in calls if c[0] == "pass"]
     assert all(c[1] == 1 for c in calls) and buffers[0] == length < buffers[-1]  # a buffer full, then grown
     assert len(scheduler) == 0
+
+
+def test_a_failed_shape_leaves_no_row_behind(loaded_model, monkeypatch):
+    scheduler = Scheduler(loaded_model.model, chunk_tokens=2048, lookahead=True, shape_tokens=256, apart=True)
+    prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Say hello."}]))
+
+    def fail():
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr(scheduler, "step", fail)
+    for rows, length in ((1, 256), (4, 64)):
+        with pytest.raises(RuntimeError):
+            run_shape(scheduler, loaded_model, prompt, rows, length)
+        assert len(scheduler) == 0
