@@ -1,8 +1,8 @@
 """A Llama block's decode call as two compiled functions, to spare the host.
 
 A decode pass of a few rows on MLX CUDA is bound by the host (BENCHMARKS.md, "a decode
-pass is host-bound"): ~4 ms of an 8-row pass of the 8B shape is Python building its
-graph, op by op. `compile_blocks` makes each of a model's Llama blocks a `CompiledBlock`
+pass is host-bound"): 2-4 ms of an 8-row pass of the 8B shape on an H100 is Python
+building its graph, op by op. `compile_blocks` makes each of a model's Llama blocks a `CompiledBlock`
 (a class swap in place: the same module and parameters) whose one-token calls over a
 batch cache run the parts before and after the attention as `mx.compile`d functions:
 the input norm, the projections and RoPE; then the output projection, the residuals, the
@@ -13,6 +13,8 @@ block's own.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,10 +39,15 @@ class CompiledBlock(llama.TransformerBlock):
         return after(x, out)
 
     def _compiled(self):
+        """Returns the compiled (before, after) for the kernel's state now. They hold the
+        block weakly: a block that holds what holds it would wait for Python's collector,
+        and its traced graph (its weights) with it, once its model is dropped."""
         key = small_matmul.ENABLED
         compiled = self.__dict__.setdefault("_compiled_parts", {})
         if key not in compiled:
-            compiled[key] = mx.compile(self._before), mx.compile(self._after)
+            block = weakref.ref(self)
+            compiled[key] = (mx.compile(lambda x, offset: block()._before(x, offset)),
+                             mx.compile(lambda x, out: block()._after(x, out)))
         return compiled[key]
 
     def _before(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:

@@ -65,3 +65,15 @@ def test_on_cuda_compiled_blocks_with_the_small_matmul_decode_the_same(generated
         small_matmul.ENABLED = False
     assert mx.allclose(before, after, rtol=2e-2, atol=2e-2).item(), mx.abs(before - after).max().item()
     assert True in model.layers[0].__dict__["_compiled_parts"]  # traced with the kernel on
+
+
+def test_a_dropped_model_s_compiled_blocks_go_with_it(generated_llama):
+    """The compiled functions hold their block weakly: no cycle keeps a dropped model."""
+    import weakref
+
+    model = generated_llama(1, seed=4)
+    compile_blocks(model)
+    batch_run(model, steps=1)
+    gone = weakref.ref(model.layers[0])
+    del model
+    assert gone() is None  # freed at once, without the cycle collector
