@@ -1,5 +1,9 @@
 """The native kernels' cubins, compiled by NVRTC once per machine and kept on disk.
 
+`compiled(source(FILE, instance), kernel)` is the cubin of a kernel of kernels/cuda/FILE.cu
+(after prelude.cuh) for this GPU, kept beside MLX's own compiled kernels (`cubin_dir`);
+`cubin` keeps any source's.
+
 A cubin is keyed by everything that makes it (the source, the GPU architecture, NVRTC's
 version and options), so a changed source or another GPU never reads a stale one. Each
 file ends with the SHA-256 of its cubin: a truncated or corrupted file is compiled again
@@ -14,14 +18,44 @@ import hashlib
 import logging
 import os
 import tempfile
+from functools import cache
 from pathlib import Path
 
+from appliance.kernels.cuda_driver import compute_capability
 from appliance.kernels.nvrtc import compile_cubin, version
+from appliance.platform import kernel_dir
 
 log = logging.getLogger("omlx.kernels")
 
 OPTIONS = ("-std=c++17",)
 _DIGEST = 32  # bytes of SHA-256 after the cubin
+SOURCES = Path(__file__).resolve().parent / "cuda"
+DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "float"}  # MLX dtype -> type in prelude.cuh
+
+
+def source(file: str, instance: str = "") -> str:
+    """Returns what NVRTC compiles for kernels/cuda/FILE.cu: prelude.cuh, the file, then
+    `instance` (the extern "C" kernel of a template's instance)."""
+    return "\n".join(((SOURCES / "prelude.cuh").read_text(), (SOURCES / f"{file}.cu").read_text(), instance))
+
+
+def compiled(source: str, kernel: str) -> bytes:
+    """Returns the cubin of `source` (whose extern "C" `kernel` it is run as) for this GPU,
+    compiled once per machine and kept in `cubin_dir`."""
+    return cubin(source, name=kernel, arch=_arch(), directory=cubin_dir())
+
+
+@cache
+def _arch() -> str:
+    """The GPU's architecture as NVRTC names it (sm_90 on an H100 or H200)."""
+    major, minor = compute_capability()
+    return f"sm_{major}{minor}"
+
+
+def cubin_dir() -> Path | None:
+    """Where compiled kernels are kept: beside MLX's own (platform.kernel_dir)."""
+    mlx_kernels = kernel_dir()
+    return mlx_kernels / "omlx" if mlx_kernels is not None else None
 
 
 def key(source: str, *, arch: str) -> str:

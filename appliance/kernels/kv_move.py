@@ -1,7 +1,7 @@
 """Moving KV blocks between the device and pinned host memory, natively on CUDA.
 
-Two kernels, sources in kernels/cuda/, compiled by NVRTC once per machine (kernels/cubins.py,
-kept beside MLX's own compiled kernels) and run through `mx.fast.precompiled_cuda_kernel`:
+Two kernels, sources in kernels/cuda/, compiled by NVRTC once per machine (kernels/cubins.py)
+and run through `mx.fast.precompiled_cuda_kernel`:
 
 - `to_host` (kv_to_host.cu), gather to host: copies blocks' payloads, made on the
   device by kernels/kv_quant.py's `pack` (quantized there at 8 or 4 bits), into pinned
@@ -22,39 +22,15 @@ from __future__ import annotations
 
 import threading
 from functools import cache
-from pathlib import Path
 
 import mlx.core as mx
 
-from appliance.kernels import cubins
-from appliance.kernels.cuda_driver import compute_capability
+from appliance.kernels.cubins import DTYPES, compiled, source
 from appliance.kernels.kv_quant import pack, payload_nbytes, values_offset
-from appliance.platform import kernel_dir
 
-SOURCES = Path(__file__).resolve().parent / "cuda"
 THREADS = 256
 MAX_THREADS = 132 * 2048  # an H200's resident threads; the kernels loop over the rest
-DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "float"}  # MLX dtype -> type in prelude.cuh
 MAX_SCALAR = 2**31 - 1  # the kernels' sizes are int scalars
-
-
-@cache
-def _arch() -> str:
-    """The GPU's architecture as NVRTC names it (sm_90 on an H100 or H200)."""
-    major, minor = compute_capability()
-    return f"sm_{major}{minor}"
-
-
-def source(file: str, instance: str = "") -> str:
-    """Returns what NVRTC compiles for kernels/cuda/FILE.cu: prelude.cuh, the file, then
-    `instance` (the extern "C" kernel of a template's instance)."""
-    return "\n".join(((SOURCES / "prelude.cuh").read_text(), (SOURCES / f"{file}.cu").read_text(), instance))
-
-
-def compiled(source: str, kernel: str) -> bytes:
-    """Returns the cubin of `source` (whose extern "C" `kernel` it is run as) for this GPU,
-    compiled once per machine and kept in `cubin_dir` (kernels/cubins.py)."""
-    return cubins.cubin(source, name=kernel, arch=_arch(), directory=cubin_dir())
 
 
 @cache
@@ -62,12 +38,6 @@ def _cubin(file: str, kernel: str, instance: str = "") -> bytes:
     """Returns the cubin of `kernel` in kernels/cuda/FILE.cu (its sources read and its
     cubin looked up once per process)."""
     return compiled(source(file, instance), kernel)
-
-
-def cubin_dir() -> Path | None:
-    """Where compiled kernels are kept: beside MLX's own (platform.kernel_dir)."""
-    mlx_kernels = kernel_dir()
-    return mlx_kernels / "omlx" if mlx_kernels is not None else None
 
 
 def to_block_kernel(dtype: str, dim: int, bits: int, group: int) -> tuple[str, str]:

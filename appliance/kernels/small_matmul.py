@@ -6,14 +6,14 @@ submission of the pass's ~200 matmuls: MLX runs each through cuBLASLt, making it
 descriptors and asking cuBLASLt's heuristic anew every call. `matmul` runs `x @ w.T` for up
 to 64 rows of x instead through one kernel of ours (kernels/cuda/small_matmul.cu, on tensor
 cores), which MLX launches as it launches its own kernels. Compiled by NVRTC once per
-machine, like the KV kernels (kernels/kv_move.py).
+machine (kernels/cubins.py), like the KV kernels.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from appliance.kernels.kv_move import DTYPES, compiled, source
+from appliance.kernels.cubins import DTYPES, compiled, source
 
 MAX_ROWS = 64  # the most rows the kernel takes
 ROWS = 16  # the most rows models run through it (models/native_linear.py): beyond, cuBLASLt's GPU time is less

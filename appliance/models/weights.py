@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from appliance.kernels.kv_move import THREADS, compiled, grid, source
+from appliance.kernels.cubins import compiled, source
+from appliance.kernels.kv_move import THREADS, grid
 from appliance.kernels.pinned import PinnedBuffer
 
 log = logging.getLogger("omlx.models")

@@ -14,24 +14,24 @@ ELF = b"\x7fELF"
 
 
 def test_the_gather_to_host_compiles_to_a_cubin():
-    cubin = nvrtc.compile_cubin(kv_move.source("kv_to_host"), name="kv_to_host", arch="sm_90",
+    cubin = nvrtc.compile_cubin(cubins.source("kv_to_host"), name="kv_to_host", arch="sm_90",
                                 options=cubins.OPTIONS)
     assert cubin.startswith(ELF)
     assert b"omlx_kv_to_host" in cubin  # extern "C": the name precompiled_cuda_kernel asks for
 
 
 def test_the_copy_from_host_compiles_to_a_cubin():
-    cubin = nvrtc.compile_cubin(kv_move.source("copy_from_host"), name="copy_from_host", arch="sm_90",
+    cubin = nvrtc.compile_cubin(cubins.source("copy_from_host"), name="copy_from_host", arch="sm_90",
                                 options=cubins.OPTIONS)
     assert cubin.startswith(ELF)
     assert b"omlx_copy_from_host" in cubin  # the name models/weights.py runs it under
 
 
-@pytest.mark.parametrize("dtype", sorted(kv_move.DTYPES))
+@pytest.mark.parametrize("dtype", sorted(cubins.DTYPES))
 @pytest.mark.parametrize("bits,group", [(16, 1), (8, 64), (4, 32)])
 def test_every_dequantize_instance_compiles_under_its_name(dtype, bits, group):
     name, instance = kv_move.to_block_kernel(dtype, 128, bits, group)
-    cubin = nvrtc.compile_cubin(kv_move.source("kv_to_block", instance), name=name, arch="sm_90",
+    cubin = nvrtc.compile_cubin(cubins.source("kv_to_block", instance), name=name, arch="sm_90",
                                 options=cubins.OPTIONS)
     assert cubin.startswith(ELF)
     assert name.encode() in cubin
