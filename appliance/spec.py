@@ -217,6 +217,10 @@ class BatchingSpec(Frozen):
     # most GATHER_ROUNDS times as long) before it starts them: requests sent together
     # (agents' parallel calls, a batch of clients) then start in one prefill call.
     gather_ms: float = Field(0.0, ge=0, le=1000)
+    # Once ready, an idle engine runs short requests' call shapes, so that the first ones
+    # build no attention graph (engine/warm_up.py, `idle_shapes`); a request arriving
+    # meanwhile waits for the shape under way. "auto": on CUDA, where cuDNN builds them.
+    idle_shapes: Literal["auto", "on", "off"] = "auto"
 
     @property
     def prefill_step_s(self) -> float | None:

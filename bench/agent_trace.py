@@ -79,6 +79,7 @@ from common import (  # noqa: E402
     run_header,
     site_packages,
     stream_chat,
+    wait_idle_work,
     wait_ssd_written,
     write_json,
 )
@@ -370,6 +371,8 @@ class Side:
         t = asyncio.run(one_request(self.server, [{"role": "user", "content": "Say hello."}], max_tokens=4))
         if not t.ok:
             self.warm_up_errors.append(f"{self.server.log_path.name}: {t.error or 'no content'}")
+        if self.server.config is not None:  # omlx: its idle work would slow the other side's turns
+            log(f"   {self.name}'s idle work ended {wait_idle_work(self.server.url)} s after its warm-up")
 
     def stop(self) -> None:
         if self.server is not None:

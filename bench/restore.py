@@ -74,6 +74,7 @@ from common import (  # noqa: E402
     site_packages,
     stream_chat,
     tier_deltas,
+    wait_idle_work,
     wait_ssd_written,
     write_json,
 )
@@ -265,7 +266,8 @@ def start(setup: Setup, work_dir: Path, log_name: str, result: SizeResult, *,
     log(f"starting omlx ({server.log_path.name}, code {code}), cache dir {work_dir / 'cache'}")
     server.start(ready_timeout_s=600)
     result.ready_s.append(server.ready_s)
-    log(f"   ready in {server.ready_s:.2f} s")
+    log(f"   ready in {server.ready_s:.2f} s; its idle work (call shapes) ended {wait_idle_work(server.url)} s "
+        "later, before any measured request")
     return server
 
 

@@ -351,7 +351,7 @@ class Engine:
         host's memory up)."""
         if self._waiting:
             return None
-        if self._shapes:
+        if self._shapes and self.limits.idle_shapes != "off":  # turned off live: the rest are left
             return self._warm_shape
         if self.cache is not None and self.cache.store.wants_pinned():
             return self.cache.store.pin_one
@@ -379,7 +379,7 @@ class Engine:
     @property
     def shapes_to_warm(self) -> int:
         """Returns how many call shapes the idle engine has yet to run."""
-        return len(self._shapes)
+        return len(self._shapes) if self.limits.idle_shapes != "off" else 0
 
     def _gather(self, commands: _Commands) -> None:
         """Adds to `commands`, which woke an idle engine, what arrives until none has for

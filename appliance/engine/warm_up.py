@@ -157,12 +157,14 @@ def gpu_warm_up_lengths(limits: BatchingSpec, context_tokens: int) -> list[int]:
 
 
 def idle_shapes(limits: BatchingSpec, s_per_token: float | None) -> list[tuple[int, int]]:
-    """Returns, on CUDA, the call shapes an idle engine runs ahead of the requests that
-    would meet them first (`call_shapes`), those whose tokens take at most `IDLE_PIECE_S`
-    at `s_per_token` (the model's prefill; None: unknown, all), since a request arriving
-    waits for the shape under way; none elsewhere: cuDNN's graphs are CUDA's, and on a Mac
-    a large model's calls of thousands of tokens would run for seconds each, for nothing."""
-    if device_kind() != "gpu" or not mx.cuda.is_available():
+    """Returns the call shapes an idle engine runs ahead of the requests that would meet
+    them first (`call_shapes`) where `limits.idle_shapes` asks for them ("auto": on CUDA),
+    those whose tokens take at most `IDLE_PIECE_S` at `s_per_token` (the model's prefill;
+    None: unknown, all), since a request arriving waits for the shape under way. "auto"
+    runs none elsewhere: cuDNN's graphs are CUDA's, and on a Mac a large model's calls of
+    thousands of tokens would run for seconds each, for nothing."""
+    cuda = device_kind() == "gpu" and mx.cuda.is_available()
+    if not (limits.idle_shapes == "on" or (limits.idle_shapes == "auto" and cuda)):
         return []
     return [(rows, length) for rows, length in call_shapes(limits)
             if s_per_token is None or rows * length * s_per_token <= IDLE_PIECE_S]

@@ -144,7 +144,7 @@ class SetBatching(Action):
         return (f"set batching limits: max_running {b.max_running}, max_queued {b.max_queued}, "
                 f"prefill_chunk_tokens {b.prefill_chunk_tokens}, prefill_step_ms {b.prefill_step_ms}, "
                 f"warm_up_beside_load {b.warm_up_beside_load}, short_attention {b.short_attention}, "
-                f"gather_ms {b.gather_ms:g}")
+                f"gather_ms {b.gather_ms:g}, idle_shapes {b.idle_shapes}")
 
     async def prepare(self, run: Run) -> Step:
         engines = [e.engine for e in run.appliance.models.values() if e.engine is not None]

@@ -305,11 +305,10 @@ def test_only_cuda_sticky_errors_count_as_a_lost_gpu(message, lost):
 
 @pytest.fixture
 def as_on_gpus(monkeypatch):
-    """An engine that runs the call shapes while idle, as on GPUs, soon after its last work."""
+    """Engines run their idle work soon after their last work (`idle_shapes = "on"` runs
+    the call shapes here as on CUDA)."""
     from appliance.engine import engine as engine_module
-    from appliance.engine.warm_up import call_shapes
 
-    monkeypatch.setattr(engine_module, "idle_shapes", lambda limits, s_per_token: call_shapes(limits))
     monkeypatch.setattr(engine_module, "IDLE_QUIET_S", 0.3)
     return engine_module
 
@@ -324,7 +323,7 @@ def wait_for_shapes(eng: Engine, timeout_s: float = 60.0) -> None:
 def test_an_idle_engine_runs_the_call_shapes(loaded_model, as_on_gpus, caplog):
     """Each shape runs as a wave of short prompts would start, while nothing else does; a
     request before them and after them gets the same answer, and none is counted."""
-    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=64)
+    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=64, idle_shapes="on")
     eng = Engine(loaded_model, limits).start_warm()
     try:
         with caplog.at_level("INFO", logger="omlx.engine"):
@@ -342,7 +341,7 @@ def test_a_failed_start_shape_leaves_the_rest_to_requests(loaded_model, as_on_gp
         raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
 
     monkeypatch.setattr(as_on_gpus, "run_shape", fail)
-    eng = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=64)).start_warm()
+    eng = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=64, idle_shapes="on")).start_warm()
     try:
         wait_for_shapes(eng)
         _, text, reason = asyncio.run(run(eng, request(loaded_model, QUESTIONS[0])))
@@ -371,3 +370,17 @@ def test_an_engine_of_compiled_blocks_decodes_as_the_plain_one(loaded_model):
 
     assert answers(compiled) == answers(loaded_model)
     assert "_compiled_parts" in compiled.model.model.layers[0].__dict__
+
+
+def test_idle_shapes_turned_off_live_leave_the_rest(loaded_model, monkeypatch):
+    from appliance.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_QUIET_S", 30.0)  # none starts within the test
+    limits = BatchingSpec(max_running=4, prefill_chunk_tokens=64, idle_shapes="on")
+    eng = Engine(loaded_model, limits).start_warm()
+    try:
+        assert eng.shapes_to_warm > 0
+        eng.set_limits(limits.model_copy(update={"idle_shapes": "off"}))
+        assert eng.shapes_to_warm == 0 and eng._idle_work() is None
+    finally:
+        eng.stop(drain_s=0)

@@ -108,8 +108,10 @@ def test_idle_shapes_are_cuda_s_and_short_enough_to_wait_for(monkeypatch):
     monkeypatch.setattr(module, "device_kind", lambda: "gpu")
     monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
     assert idle_shapes(limits, None) == []  # a Mac: no cuDNN graphs, and long calls for nothing
+    assert idle_shapes(limits.model_copy(update={"idle_shapes": "on"}), None) == call_shapes(limits)  # asked for
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert idle_shapes(limits, None) == call_shapes(limits)
+    assert idle_shapes(limits.model_copy(update={"idle_shapes": "off"}), None) == []
     assert idle_shapes(limits, 1e-4) == [(r, n) for r, n in call_shapes(limits) if r * n <= 10_000]  # 1 s at most
     assert idle_shapes(limits, 1e-2) == [(2, 32)]  # a large model: only what takes a second
 
