@@ -173,6 +173,15 @@ def device_kind() -> str:
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
+def wanted_here(choice: str) -> bool:
+    """Returns whether an `auto` / `on` / `off` key asks for its feature on this machine:
+    "auto" means on CUDA, where the features such keys choose pay (a host-bound decode
+    pass, kernels and attention graphs built per shape)."""
+    import mlx.core as mx
+
+    return choice == "on" or (choice == "auto" and mx.cuda.is_available())
+
+
 def resolve_dtype(dtype: str) -> str | None:
     """Returns the dtype to cast weights to; None keeps the checkpoint's own dtype.
 

@@ -22,7 +22,7 @@ from appliance.cache.store import KVStore
 from appliance.config import LoadedConfig
 from appliance.engine.engine import Engine
 from appliance.engine.request import RequestStats
-from appliance.engine.stand_in import stand_in_wanted, warm_up_stand_in
+from appliance.engine.stand_in import warm_up_stand_in
 from appliance.engine.thread import EngineThread
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
@@ -162,7 +162,7 @@ class Appliance:
                     log.exception("model %s: pinning host memory ahead failed", entry.spec.name)
 
         def beside(path: Path, dtype: str | None) -> None:
-            if stand_in_wanted(spec.batching.warm_up_beside_load):
+            if platform.wanted_here(spec.batching.warm_up_beside_load):
                 thread.submit(functools.partial(warm_up_stand_in, entry.spec, path, dtype, spec.batching,
                                                 on_layout=expect))
                 thread.submit(pin_ahead)

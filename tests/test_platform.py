@@ -127,3 +127,12 @@ def test_compiled_kernels_are_kept_in_the_cache_dir_unless_the_environment_says(
     monkeypatch.setenv(platform.KERNEL_CACHE_ENV, "/elsewhere")
     assert platform.keep_compiled_kernels(tmp_path) is None
     assert os.environ[platform.KERNEL_CACHE_ENV] == "/elsewhere"
+
+
+def test_auto_asks_for_a_feature_on_cuda_only():
+    """The `auto` / `on` / `off` keys (`fuse_projections`, `compile_blocks`,
+    `warm_up_beside_load`, `idle_shapes`)."""
+    import mlx.core as mx
+
+    assert platform.wanted_here("on") and not platform.wanted_here("off")
+    assert platform.wanted_here("auto") == mx.cuda.is_available()

@@ -41,12 +41,6 @@ log = logging.getLogger("omlx.engine")
 LAYERS = 1
 
 
-def stand_in_wanted(choice: str) -> bool:
-    """Returns whether `batching.warm_up_beside_load` asks for a stand-in here ("auto":
-    on CUDA, where kernels and attention graphs compile per shape on first use)."""
-    return choice == "on" or (choice == "auto" and mx.cuda.is_available())
-
-
 def load_stand_in(spec: ModelSpec, path: Path, dtype: str | None, *,
                   room_bytes: int | None = None) -> LoadedModel | None:
     """Returns the model at `path` cut to its first LAYERS layers, loaded (read from the

@@ -24,7 +24,7 @@ from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.engine.scheduler import GPU_SHAPE_TOKENS, IDLE_BUDGET_FACTOR, MIN_SHAPE_TOKENS, Generated, Scheduler
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
-from appliance.platform import device_kind, kernel_dir
+from appliance.platform import device_kind, kernel_dir, wanted_here
 from appliance.spec import BatchingSpec
 
 WARM_UP_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
@@ -163,8 +163,7 @@ def idle_shapes(limits: BatchingSpec, s_per_token: float | None) -> list[tuple[i
     None: unknown, all), since a request arriving waits for the shape under way. "auto"
     runs none elsewhere: cuDNN's graphs are CUDA's, and on a Mac a large model's calls of
     thousands of tokens would run for seconds each, for nothing."""
-    cuda = device_kind() == "gpu" and mx.cuda.is_available()
-    if not (limits.idle_shapes == "on" or (limits.idle_shapes == "auto" and cuda)):
+    if not wanted_here(limits.idle_shapes):
         return []
     return [(rows, length) for rows, length in call_shapes(limits)
             if s_per_token is None or rows * length * s_per_token <= IDLE_PIECE_S]

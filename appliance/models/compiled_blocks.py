@@ -22,6 +22,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from appliance.kernels import small_matmul
+from appliance.platform import wanted_here
 
 
 class CompiledBlock(llama.TransformerBlock):
@@ -68,10 +69,8 @@ class CompiledBlock(llama.TransformerBlock):
 
 def compile_as_asked(model: nn.Module, choice: str) -> int:
     """Compiles `model`'s blocks if `choice` asks for it here ("auto": on CUDA, where a
-    decode pass is host-bound); returns how many."""
-    if choice == "on" or (choice == "auto" and mx.cuda.is_available()):
-        return compile_blocks(model)
-    return 0
+    decode pass is host-bound; platform.wanted_here); returns how many."""
+    return compile_blocks(model) if wanted_here(choice) else 0
 
 
 def compile_blocks(model: nn.Module) -> int:

@@ -24,6 +24,8 @@ import itertools
 import mlx.core as mx
 import mlx.nn as nn
 
+from appliance.platform import wanted_here
+
 # the projections fused into one, by the name of the fused one
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -66,15 +68,10 @@ class Part:
         return self.fused.take(x, self.index)
 
 
-def fuse_wanted(choice: str) -> bool:
-    """Returns whether a model's `fuse_projections` asks for fusing here ("auto": on CUDA)."""
-    return choice == "on" or (choice == "auto" and mx.cuda.is_available())
-
-
 def fuse_as_asked(model: nn.Module, choice: str) -> int:
     """Fuses `model`'s projections if `choice` asks for it here; returns the groups fused.
     The parts' buffers, freed, leave MLX's buffer cache (they match no later allocation)."""
-    if not fuse_wanted(choice):
+    if not wanted_here(choice):
         return 0
     fused = fuse_projections(model)
     mx.clear_cache()

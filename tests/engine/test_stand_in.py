@@ -10,15 +10,10 @@ import mlx.core as mx
 import pytest
 
 from appliance.cache.kv import probe_layout
-from appliance.engine.stand_in import load_stand_in, stand_in_wanted, warm_up_stand_in
+from appliance.engine.stand_in import load_stand_in, warm_up_stand_in
 from appliance.spec import BatchingSpec
 
 pytestmark = pytest.mark.slow
-
-
-def test_auto_asks_for_a_stand_in_on_cuda_only():
-    assert stand_in_wanted("on") and not stand_in_wanted("off")
-    assert stand_in_wanted("auto") == mx.cuda.is_available()
 
 
 def test_a_stand_in_is_the_model_cut_to_its_first_layer(loaded_model):
