@@ -204,7 +204,6 @@ class Scheduler:
         # (`_measure_call`): its own fixed cost and its rows' merge into their generation
         # batch, which the pass after it pays.
         self._call_s: float | None = None
-        self._batched_start = (0, 0)  # the last step's batched start calls and their padded tokens
         self._shape = model_shape(model)  # bounds each prefill call by free memory
         self._free = free_bytes  # what MLX may still allocate (a test may stub it)
         # The last step's halves, in seconds, and its prefill calls (for the engine's counters).
@@ -288,20 +287,24 @@ class Scheduler:
             t0 = time.perf_counter()
             started = self._start()
             t1 = time.perf_counter()
-            passes = len(self._generations)
             generated = self._decode()
         self._first_tokens_due = bool(started) and self._generation_class is LeanGeneration
         self.last_start_s, self.last_decode_s = t1 - t0, time.perf_counter() - t1
-        self._measure_call(self.last_start_s + self.last_decode_s, passes)
+        self._measure_call(self.last_start_s + self.last_decode_s)
         return started, generated
 
-    def _measure_call(self, seconds: float, passes: int) -> None:
-        """Takes what a step's batched start calls cost beyond their tokens from the step's
-        `seconds`, its start and its `passes` decode passes (the rows' merge included)."""
-        calls, padded = self._batched_start
-        if not calls or self._fastest_start_s_per_token is None or self._pass_s is None:
+    def _measure_call(self, seconds: float) -> None:
+        """Takes what a step's batched start calls (`last_calls`) cost beyond their tokens
+        from the step's `seconds`, its start and its decode passes (the rows' merge
+        included). A step that started a lone prompt's call, cheaper, is not measured."""
+        starts = [(rows, tokens) for kind, rows, tokens, _ in self.last_calls if kind == "start"]
+        if not starts or any(rows == 1 for rows, _ in starts):
             return
-        per_call = (seconds - padded * self._fastest_start_s_per_token - passes * self._pass_s) / calls
+        if self._fastest_start_s_per_token is None or self._pass_s is None:
+            return
+        padded = sum(rows * tokens for rows, tokens in starts)
+        passes = sum(kind == "pass" for kind, *_ in self.last_calls)
+        per_call = (seconds - padded * self._fastest_start_s_per_token - passes * self._pass_s) / len(starts)
         if per_call > 0:
             self._call_s = min(self._call_s or per_call, per_call)
 
@@ -332,7 +335,6 @@ class Scheduler:
             starting.append(p)
         self._budget_left = self.chunk_tokens
         self.last_prefill_calls = 0
-        self._batched_start = (0, 0)
         if not starting:
             return []
         for p in starting:
@@ -340,7 +342,6 @@ class Scheduler:
         # Prompts `advance()` prefilled to their last token need no call: padded into one,
         # a row of nothing but padding would cost its whole length.
         parts = [p.batch for p in starting if not p.todo]
-        calls: list[tuple[int, int]] = []  # (rows, padded tokens) of each start call
         for sub in split_by_length([p for p in starting if p.todo], self._pass_tokens(), self.shape_tokens,
                                    self._grouped):
             for group in self._calls(sub):
@@ -353,14 +354,11 @@ class Scheduler:
                 if padded:
                     seconds = self._timed_prompt(group, part, todo, length=length)
                     self.last_prefill_calls += 1
-                    calls.append((len(group), padded))
                     self._start_s_per_token = self._measured(seconds, padded, self._start_s_per_token)
                     if self._start_s_per_token is not None:
                         self._fastest_start_s_per_token = min(self._start_s_per_token,
                                                               self._fastest_start_s_per_token or float("inf"))
                 parts.append(part)
-        if calls and all(rows > 1 for rows, _ in calls):  # a lone prompt's call costs less: not measured
-            self._batched_start = (len(calls), sum(padded for _, padded in calls))
         last = {p.uid: p.remaining[-1] for p in starting}  # each row's first decode input
         self.last_prefilled = {p.uid: (p.computed, p.seconds) for p in starting}
         for joining, part_group in self._by_generation(parts):

@@ -561,12 +561,13 @@ def test_a_batched_start_call_is_priced_at_what_it_was_measured_to_cost(loaded_m
     for uid in uids:
         s.remove(uid, keep_cache=False)
     s._call_s, s._pass_s, s._fastest_start_s_per_token = None, 0.005, 1e-5
-    s._batched_start = (2, 1000)  # two calls of 1,000 padded tokens in all, then one pass
-    s._measure_call(0.1, passes=1)
+    # two calls of 1,000 padded tokens in all, then one pass
+    s.last_calls = [("start", 2, 250, 40.0), ("start", 4, 125, 40.0), ("pass", 6, 256, 20.0)]
+    s._measure_call(0.1)
     assert s._call_s == pytest.approx((0.1 - 1000 * 1e-5 - 0.005) / 2)
     assert s._pass_tokens() == pytest.approx(s._call_s / 1e-5)
-    s._measure_call(0.2, passes=1)  # a slower step (a new shape's compile) leaves the fewest
+    s._measure_call(0.2)  # a slower step (a new shape's compile) leaves the fewest
     assert s._call_s == pytest.approx(0.0425)
     insert(s, tokens(40))
     s.step()  # a lone prompt's call (the plain path) is not a batched one: not measured
-    assert s._batched_start == (0, 0) and s._call_s == pytest.approx(0.0425)
+    assert [c[:2] for c in s.last_calls if c[0] == "start"] == [("start", 1)] and s._call_s == pytest.approx(0.0425)
