@@ -174,16 +174,14 @@ def in_variant(name: str, fusion: Fusion | None = None):
 
         return undo
     if name == "compiled" and fusion is not None:
-        fusion.set(True)
-        small_matmul.ENABLED = mx.cuda.is_available()
+        undo_native = in_variant("native", fusion)
         compile_blocks(fusion.model)
 
         def undo() -> None:
             for _, module in fusion.model.named_modules():
                 if type(module) is CompiledBlock:
                     module.__class__ = llama.TransformerBlock
-            small_matmul.ENABLED = False
-            fusion.set(False)
+            undo_native()
 
         return undo
     if name == "nogc":
