@@ -372,9 +372,9 @@ class Engine:
             return
         finally:
             self._shapes_s += time.perf_counter() - started
-        self._shapes = self._shapes[1:]
-        if not self._shapes:
+        if len(self._shapes) == 1:  # logged before the status says none is left
             log.info("model %s ran its idle call shapes in %.2f s", self.loaded.name, self._shapes_s)
+        self._shapes = self._shapes[1:]
 
     @property
     def shapes_to_warm(self) -> int:
