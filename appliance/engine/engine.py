@@ -492,6 +492,7 @@ class Engine:
         """One scheduler step: start and decode, hand the tokens out, then advance a prefill
         (`admit_s`: what admitting requests took before it, for the step trace)."""
         scheduler = self._scheduler
+        cpu_started = time.thread_time()
         try:
             prefilled, generated = scheduler.step()
         except Exception as e:
@@ -515,7 +516,8 @@ class Engine:
                 "running": len(self._running), "waiting": len(self._waiting), "started": len(prefilled),
                 "tokens_out": len(generated), "prefill_calls": scheduler.last_prefill_calls,
                 "advanced": scheduler.last_advanced_tokens, "calls": scheduler.last_calls,
-                "phases_ms": {k: round(1000 * v, 2) for k, v in {"admit": admit_s, **phases}.items()}})
+                "phases_ms": {k: round(1000 * v, 2) for k, v in {"admit": admit_s, **phases}.items()},
+                "cpu_ms": round(1000 * (time.thread_time() - cpu_started), 2)})
 
     def _save_computed(self) -> None:
         """Saves the full prompt blocks that running requests computed, at most one

@@ -66,3 +66,4 @@ def test_an_engine_writes_a_line_a_step(loaded_model, tmp_path, monkeypatch):
     assert records[0]["started"] == 1 and records[0]["prefill_calls"] >= 1
     assert sum(r["tokens_out"] for r in records) == 5
     assert set(records[0]["phases_ms"]) == {"admit", "start", "decode", "deliver", "advance", "save"}
+    assert all(r["cpu_ms"] > 0 for r in records)
