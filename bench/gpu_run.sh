@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled
+#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -143,14 +143,6 @@ case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bi
     step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes ${SIZES:-8K,32K} --host \
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
-case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
-  # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
-  # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory)
-  model 8b
-  mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" ${THROUGHPUT_ARGS:---mlx-lm-batch} \
-    --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 8 and 32 with ARGS for
   # bench/throughput.py, each step traced (throughput-NAME.json, steps-NAME.jsonl)
   local name=$1; shift
@@ -160,6 +152,27 @@ omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 
   step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --only a --n 8 --n 32 --omlx-only \
     "$@" --out "$OUT/throughput-$name.json" 2>&1 | tail -14
 }
+case ",$STEPS," in *,malloc,*)  # item 5: the server's glibc malloc tunables (platform.MALLOC_TUNABLES: one
+  # arena) against glibc's default, in process (decode_host, each setting twice in turn) and over HTTP (omlx_ab)
+  tuned=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483648:glibc.malloc.arena_max=1
+  omlx_ab arena1  # the server sets the three tunables itself
+  export GLIBC_TUNABLES=glibc.malloc.arena_max=64; omlx_ab arena64; unset GLIBC_TUNABLES
+  for round in 0 1; do
+    for setting in default "$tuned"; do
+      name=$([ "$setting" = default ] && echo default || echo tuned)
+      env $([ "$setting" = default ] || echo "GLIBC_TUNABLES=$setting") timeout -k 20 "$STEP_S" python3 \
+        bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --rounds 1 --steps 150 --variants padded,native \
+        --out "$OUT/decode_host-malloc-$name-$round.json" 2>&1 | grep '"variant"' | cut -c1-300
+    done
+  done ;; esac
+case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
+  # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
+  # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory)
+  model 8b
+  mkdir -p bench/out/logs
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" ${THROUGHPUT_ARGS:---mlx-lm-batch} \
+    --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,composed,*)  # short calls' attention composed (no cuDNN graphs)
   omlx_ab composed --omlx-batching 'short_attention = "composed"' ;; esac
 case ",$STEPS," in *,compiled,*)  # each Llama block's decode calls compiled (models/compiled_blocks.py)
