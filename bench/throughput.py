@@ -5,7 +5,9 @@ sending chat requests in sequence; aggregate output tok/s and client-side TTFT p
 Each server runs each N twice with new prompts, in the order ABBA, and the two rounds are
 pooled: one round of a few waves is too short to rise above a small machine's ±10% drift.
 With --mlx-lm-batch, mlx_lm's own `batch_generate` (in this process, after the servers
-have stopped) runs the same prompts and max_tokens per N as a third baseline.
+have stopped) runs the same prompts and max_tokens per N as a third baseline; with
+--mlx-lm-batch-beside its rounds take turns with the servers' instead (its model loaded
+beside them), so that a stretch of a slow host meets all alike.
 Scenario B: short streaming requests alone, and again while one ~4,000-token prompt is
 being prefilled (with --model: a 25,000-token one); short-request TTFT p50/p99 and how
 much p99 grows.
@@ -298,15 +300,30 @@ async def concurrency_round(server: ServerProcess, n: int, chats: list[list[dict
     )
 
 
-async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Round], save: Callable[[], None]) -> None:
+def chats_a(plan: Plan, n: int, repeat: int) -> list[list[dict]]:
+    """Scenario A's prompts at `n` and `repeat`: new each repeat (a repeated prompt would be
+    a cache hit), the same for every server and baseline."""
+    return prompt_set(f"A{n}" + (f"-{repeat}" if repeat else ""), plan.num_requests(n), max_notes=6)
+
+
+async def scenario_a(servers: list[ServerProcess], plan: Plan, rounds: list[Round], save: Callable[[], None], *,
+                     batch: BatchGenerate | None = None, batch_rounds: list[BatchRound] | None = None) -> None:
+    """Runs each N's rounds on `servers`, and with `batch` a round of batch_generate among
+    theirs, on the same prompts (it counts as beside each of `servers`)."""
     groups = {s.group for s in servers}
     for i, n in enumerate(plan.concurrency):
         for repeat in range(plan.repeats):
-            # New prompts each repeat (a repeated prompt would be a cache hit), the same for both servers.
-            chats = prompt_set(f"A{n}" + (f"-{repeat}" if repeat else ""), plan.num_requests(n), max_notes=6)
-            # Alternate who goes first (ABBA...), so drift in the machine's load does not favour one server.
-            for server in servers if (i + repeat) % 2 == 0 else servers[::-1]:
+            chats = chats_a(plan, n, repeat)
+            # Alternate who goes first (ABBA...), so drift in the machine's load does not favour one.
+            turns: list = [*servers, batch] if batch is not None else list(servers)
+            for turn in turns if (i + repeat) % 2 == 0 else turns[::-1]:
                 await quiet(groups)
+                if turn is batch:
+                    batch_rounds.append(batch.round(n, repeat, chats, max_tokens=plan.max_tokens,
+                                                    beside=",".join(s.name for s in servers)))
+                    save()
+                    continue
+                server = turn
                 log(f"A: {server.name} N={n} repeat {repeat + 1}/{plan.repeats} ({len(chats)} requests)")
                 r = await concurrency_round(server, n, chats, max_tokens=plan.max_tokens, groups=groups,
                                             repeat=repeat)
@@ -435,56 +452,76 @@ class BatchRound:
     wall_s: float  # prefill and decode of all requests
     tok_s: float
     generation_tps: float  # mlx_lm's own figure: decode tokens over decode time
+    beside: str | None = None  # with --mlx-lm-batch-beside: the servers whose rounds it took turns with (a,b)
 
 
-def scenario_a_batch(model_dir: Path, plan: Plan, rounds: list[BatchRound], save: Callable[[], None]) -> None:
-    """Runs scenario A's prompts through mlx_lm's batch_generate with completion_batch_size N."""
-    import mlx_lm
-    from mlx_lm.generate import batch_generate
+class BatchGenerate:
+    """mlx_lm's batch_generate on scenario A's prompts, in this process (at most N decoding
+    at once): its model loaded and warmed up once."""
 
-    from appliance.platform import blas_preloaded, openblas_path
+    def __init__(self, model_dir: Path):
+        import mlx_lm
 
-    if openblas_path() and not blas_preloaded():
-        log("   OpenBLAS is installed but not preloaded here: on CPU, run with LD_PRELOAD (see the docstring)")
-    log(f"mlx_lm batch_generate: loading {model_dir}")
-    model, tokenizer = mlx_lm.load(str(model_dir))
+        from appliance.platform import blas_preloaded, openblas_path
 
-    def encode(chats: list[list[dict]]) -> list[list[int]]:
-        return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+        if openblas_path() and not blas_preloaded():
+            log("   OpenBLAS is installed but not preloaded here: on CPU, run with LD_PRELOAD (see the docstring)")
+        log(f"mlx_lm batch_generate: loading {model_dir}")
+        self.model, self.tokenizer = mlx_lm.load(str(model_dir))
+        self._run(self._encode(prompt_set("warm-mlx_lm-batch", 4, max_notes=2)), 4, 8)
 
-    def run(prompts: list[list[int]], n: int, max_tokens: int):
+    def _encode(self, chats: list[list[dict]]) -> list[list[int]]:
+        return [list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+
+    def _run(self, prompts: list[list[int]], n: int, max_tokens: int):
+        from mlx_lm.generate import batch_generate
+
         started = time.perf_counter()
-        done = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
+        done = batch_generate(self.model, self.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
                               completion_batch_size=n, prefill_batch_size=min(n, 8))
         return done, time.perf_counter() - started
 
-    run(encode(prompt_set("warm-mlx_lm-batch", 4, max_notes=2)), 4, 8)
+    def round(self, n: int, repeat: int, chats: list[list[dict]], *, max_tokens: int,
+              beside: str | None = None) -> BatchRound:
+        prompts = self._encode(chats)
+        log(f"A: mlx_lm batch_generate N={n} repeat {repeat + 1} ({len(prompts)} requests)"
+            + (f", in turn with {beside}" if beside else ""))
+        done, wall_s = self._run(prompts, n, max_tokens)
+        tokens = sum(len(ids) for ids in done.token_ids)
+        r = BatchRound(concurrency=n, repeat=repeat, num_requests=len(prompts), completion_tokens=tokens,
+                       mean_prompt_tokens=sum(map(len, prompts)) / len(prompts), wall_s=wall_s,
+                       tok_s=tokens / wall_s, generation_tps=done.stats.generation_tps, beside=beside)
+        log(f"   {r.tok_s:.1f} tok/s (decode alone {r.generation_tps:.1f}), wall {wall_s:.1f} s")
+        return r
+
+
+def scenario_a_batch(batch: BatchGenerate, plan: Plan, rounds: list[BatchRound], save: Callable[[], None]) -> None:
+    """Runs scenario A's prompts through mlx_lm's batch_generate with completion_batch_size N."""
     for n in plan.concurrency:
         for repeat in range(plan.repeats):
-            chats = prompt_set(f"A{n}" + (f"-{repeat}" if repeat else ""), plan.num_requests(n), max_notes=6)
-            prompts = encode(chats)
-            log(f"A: mlx_lm batch_generate N={n} repeat {repeat + 1}/{plan.repeats} ({len(prompts)} requests)")
-            done, wall_s = run(prompts, n, plan.max_tokens)
-            tokens = sum(len(ids) for ids in done.token_ids)
-            r = BatchRound(concurrency=n, repeat=repeat, num_requests=len(prompts), completion_tokens=tokens,
-                           mean_prompt_tokens=sum(map(len, prompts)) / len(prompts), wall_s=wall_s,
-                           tok_s=tokens / wall_s, generation_tps=done.stats.generation_tps)
-            log(f"   {r.tok_s:.1f} tok/s (decode alone {r.generation_tps:.1f}), wall {wall_s:.1f} s")
-            rounds.append(r)
+            rounds.append(batch.round(n, repeat, chats_a(plan, n, repeat), max_tokens=plan.max_tokens))
             save()
 
 
 def table_batch(batch: list[BatchRound], rounds: list[Round]) -> str:
+    """Each server against batch_generate at each N: against its rounds in turn with that
+    server where it ran so (--mlx-lm-batch-beside), else against all of its rounds."""
     rows = ["| N | requests | mlx_lm batch_generate tok/s | omlx tok/s | omlx / batch_generate | mlx_lm.server tok/s "
             "| mlx_lm.server / batch_generate |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({b.concurrency for b in batch}):
         bs = [b for b in batch if b.concurrency == n]
-        tok_s = sum(b.completion_tokens for b in bs) / sum(b.wall_s for b in bs)
-        served = {name: pooled(rs).tok_s if (rs := [r for r in rounds if r.concurrency == n and r.server == name])
-                  else None for name in ("omlx", "mlx_lm")}
-        rows.append(f"| {n} | {sum(b.num_requests for b in bs)} | {tok_s:.1f} | {fmt(served['omlx'], '.1f')} "
-                    f"| {fmt(ratio(served['omlx'], tok_s))} | {fmt(served['mlx_lm'], '.1f')} "
-                    f"| {fmt(ratio(served['mlx_lm'], tok_s))} |")
+        cells = []
+        for name in ("omlx", "mlx_lm"):
+            beside = ([b for b in bs if b.beside and name in b.beside.split(",")]
+                      or [b for b in bs if b.beside is None])
+            tok_s = sum(b.completion_tokens for b in beside) / sum(b.wall_s for b in beside) if beside else None
+            rs = [r for r in rounds if r.concurrency == n and r.server == name]
+            served = pooled(rs).tok_s if rs else None
+            cells.append((tok_s, served))
+        batch_tok_s = " / ".join(dict.fromkeys(fmt(t, ".1f") for t, _ in cells if t is not None))
+        rows.append(f"| {n} | {sum(b.num_requests for b in bs)} | {batch_tok_s} | {fmt(cells[0][1], '.1f')} "
+                    f"| {fmt(ratio(cells[0][1], cells[0][0]))} | {fmt(cells[1][1], '.1f')} "
+                    f"| {fmt(ratio(cells[1][1], cells[1][0]))} |")
     return "\n".join(rows)
 
 
@@ -590,8 +627,10 @@ def report(record: dict, plan: Plan) -> str:
                   "each with new prompts, alternating which server goes first; tok/s: all tokens over all wall "
                   "time; TTFT percentiles over all requests)\n", table_a(record["scenario_a"]), ""]
     if record.get("scenario_a_mlx_lm_batch"):
+        when = ("its rounds in turn with each server's (a \"a / b\" column: beside omlx / beside mlx_lm)"
+                if any(b.beside for b in record["scenario_a_mlx_lm_batch"]) else "after the servers")
         parts += ["Scenario A, mlx_lm's batch_generate in-process on the same prompts and max_tokens (at most N "
-                  "decoding at once; tok/s: all tokens over all wall time, prefill included)\n",
+                  f"decoding at once; {when}; tok/s: all tokens over all wall time, prefill included)\n",
                   table_batch(record["scenario_a_mlx_lm_batch"], record["scenario_a"]), ""]
     if record["scenario_b"]:
         parts += [f"Scenario B: {plan.short_clients} clients x {plan.short_requests_per_client} short requests "
@@ -605,7 +644,7 @@ def report(record: dict, plan: Plan) -> str:
 
 
 async def measure(servers: list[ServerProcess], plan: Plan, model_dir: Path, record: dict,
-                  save: Callable[[], None], *, scenarios: str) -> None:
+                  save: Callable[[], None], *, scenarios: str, batch: BatchGenerate | None = None) -> None:
     for server in servers:
         log(f"warming up {server.name}")
         record["warm_up_errors"][server.name] = await warm_up(server, model_dir)
@@ -614,7 +653,8 @@ async def measure(servers: list[ServerProcess], plan: Plan, model_dir: Path, rec
             record["idle_work_wait_s"] = waited = await asyncio.to_thread(wait_idle_work, server.url)
             log(f"   {server.name}'s idle work ended {waited} s after the warm-ups")
     if "a" in scenarios:
-        await scenario_a(servers, plan, record["scenario_a"], save)
+        await scenario_a(servers, plan, record["scenario_a"], save, batch=batch,
+                         batch_rounds=record["scenario_a_mlx_lm_batch"])
     if "b" in scenarios:
         long_chat = long_prompt(model_dir, plan.long_prompt_tokens, label="B-long-prompt")
         await scenario_b(servers, plan, long_chat, record["scenario_b"], save)
@@ -646,6 +686,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlx-lm-batch", action="store_true",
                         help="also run scenario A's prompts through mlx_lm's batch_generate, in-process, "
                              "after the servers have stopped")
+    parser.add_argument("--mlx-lm-batch-beside", action="store_true",
+                        help="run batch_generate's rounds in turn with the servers' (ABBA), its model loaded in "
+                             "this process beside them, so that a stretch of a slow host meets both alike (on a "
+                             "GPU, its memory beside the servers': 16 GB for an 8B model)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/out/throughput*.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -683,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         record["duration_s"] = round(time.time() - started, 1)
         write_json(out, record)
 
+    batch = BatchGenerate(model_dir) if args.mlx_lm_batch_beside and (args.only or "a") == "a" else None
     with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
@@ -698,15 +743,15 @@ def main(argv: list[str] | None = None) -> int:
                 for server in group:
                     log(f"starting {server.name}: {' '.join(server.argv)}")
                     server.start()
-                asyncio.run(measure(group, plan, model_dir, record, save, scenarios=args.only or "ab"))
+                asyncio.run(measure(group, plan, model_dir, record, save, scenarios=args.only or "ab", batch=batch))
             finally:
                 for server in group:
                     server.stop()
                     record["log_tails"][server.name] = server.log_tail(60)
                 save()
     # After the servers have stopped, so that their memory (on a GPU, most of the card) is free.
-    if args.mlx_lm_batch and (args.only or "a") == "a":
-        scenario_a_batch(model_dir, plan, record["scenario_a_mlx_lm_batch"], save)
+    if args.mlx_lm_batch and batch is None and (args.only or "a") == "a":
+        scenario_a_batch(BatchGenerate(model_dir), plan, record["scenario_a_mlx_lm_batch"], save)
     record["complete"] = True
     save()
     print(report(record, plan))
