@@ -55,7 +55,7 @@ from appliance.spec import BatchingSpec
 
 MIN_CHUNK_TOKENS = 16  # a time-sized chunk never gets smaller than this
 START_STEPS = 4  # a prompt longer than this many timed chunks is chunked, not started at once
-IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding
+IDLE_BUDGET_FACTOR = 4  # the start budget while nothing is decoding, in chunks (`start_budget`)
 ALONE_STEPS = 2  # a prompt prefilled alone gets time slices this many times longer
 DEFAULT_PASS_TOKENS = 32.0  # one more model call, in prefill tokens, until both are measured
 MAX_SUB_BATCH = 256  # prompts in one padded prefill call at most (bounds the split's search)
@@ -86,6 +86,12 @@ class _Prefill:
     @property
     def todo(self) -> int:
         return len(self.remaining) - 1  # the last token is the first decode step's input
+
+
+def start_budget(chunk_tokens: int, *, decoding: bool) -> int:
+    """Returns the prompt tokens one step may start: a chunk's while rows are decoding
+    (they wait for it), `IDLE_BUDGET_FACTOR` chunks' while none is."""
+    return chunk_tokens * (1 if decoding else IDLE_BUDGET_FACTOR)
 
 
 def split_by_length(prompts: list[_Prefill], pass_tokens: float, shape_tokens: int = 1,
@@ -311,7 +317,7 @@ class Scheduler:
     def _start(self) -> list[int]:
         """Prefills, in one batched call, the shortest prompts whose padded size fits the
         budget, and moves them into the generation batch."""
-        budget = self.chunk_tokens * (1 if self.num_generating else IDLE_BUDGET_FACTOR)
+        budget = start_budget(self.chunk_tokens, decoding=bool(self.num_generating))
         # The batches the starting rows join: their rows and the length they pad them to.
         lengths = [generation_tokens(g) for g in self._generations]
         rows = [len(g) for g in self._generations]

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 from appliance.cache.kv import KVBlock, build_batch_cache
 from appliance.cache.model_cache import Restored
 from appliance.engine.request import GenerationRequest, SamplingParams
-from appliance.engine.scheduler import GPU_SHAPE_TOKENS, IDLE_BUDGET_FACTOR, MIN_SHAPE_TOKENS, Generated, Scheduler
+from appliance.engine.scheduler import GPU_SHAPE_TOKENS, MIN_SHAPE_TOKENS, Generated, Scheduler, start_budget
 from appliance.engine.slot import Slot
 from appliance.models.loaded import LoadedModel
 from appliance.platform import device_kind, kernel_dir, wanted_here
@@ -195,7 +195,7 @@ def call_shapes(limits: BatchingSpec) -> list[tuple[int, int]]:
       MLX CUDA's one-query attention runs through a cuDNN graph, per buffer length, once
       the keys reach 256 tokens: on an H100 a lone request's first two such passes took
       0.49-0.66 s each (kernels compiled, then kept) and ~50 ms in a later process."""
-    budget = limits.prefill_chunk_tokens * IDLE_BUDGET_FACTOR
+    budget = start_budget(limits.prefill_chunk_tokens, decoding=False)
     lengths = [n for n in (MIN_SHAPE_TOKENS << i for i in range(16)) if n <= GPU_SHAPE_TOKENS]
     rows = [r for r in (2 << i for i in range(16)) if r <= limits.max_running]
     shapes = [(1, n) for n in DECODE_ACROSS]
@@ -219,7 +219,7 @@ def run_shape(scheduler: Scheduler, loaded: LoadedModel, prompt: tuple[int, ...]
     if rows == 1:  # one token more than it computes: the first decode step's input
         return run_alone(scheduler, Slot(GenerationRequest(repeated[:length - 1], DECODE_ACROSS_TOKENS,
                                                            WARM_UP_SAMPLING[0]), loaded))
-    longest = min(length, scheduler.chunk_tokens * IDLE_BUDGET_FACTOR // rows)
+    longest = min(length, start_budget(scheduler.chunk_tokens, decoding=False) // rows)
     uids = []
     try:
         for i in range(rows):
