@@ -167,6 +167,7 @@ class Engine:
         # thread only; their seconds so far.
         self._shapes: list[tuple[int, int]] = []
         self._shapes_s = 0.0
+        self._shape_prompt: tuple[int, ...] | None = None  # what the call shapes are made of, encoded once
 
     def start_warm(self) -> Engine:
         """Starts the engine and returns once its warm-up has run; raises RuntimeError when
@@ -363,8 +364,9 @@ class Engine:
         rows, length = self._shapes[0]
         started = time.perf_counter()
         try:
-            prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
-            run_shape(self._scheduler, self.loaded, prompt, rows, length)
+            if self._shape_prompt is None:
+                self._shape_prompt = tuple(self.loaded.encode_chat(list(WARM_UP_CHAT)))
+            run_shape(self._scheduler, self.loaded, self._shape_prompt, rows, length)
         except Exception:
             log.exception("model %s: a call shape of %d x %d tokens failed; the rest are left to requests",
                           self.loaded.name, rows, length)
