@@ -152,11 +152,11 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
                 code: Path = REPO, profile: str | None = None, dtype: str = "float32",
                 memory_gb: float | None = None, ssd_kv_bits: int = 16, host_kv_bits: int = 16,
                 batching: tuple[str, ...] = (), cache: tuple[str, ...] = (),
-                model: tuple[str, ...] = ()) -> ServerProcess:
+                model: tuple[str, ...] = (), server: tuple[str, ...] = ()) -> ServerProcess:
     """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`,
     running the `appliance` package of the checkout at `code`, under one of its `profile`s;
-    `batching`, `cache`, `model`: more `[batching]`, `[cache]` or `[[models]]` lines (`key = value`,
-    the value in TOML)."""
+    `batching`, `cache`, `model`, `server`: more `[batching]`, `[cache]`, `[[models]]` or
+    `[server]` lines (`key = value`, the value in TOML)."""
     port = free_port()
     batching_lines = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
     batching_lines += "".join(f"{line}\n" for line in batching)
@@ -165,6 +165,7 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
     cache_lines += f"host_kv_bits = {host_kv_bits}\n" if host_kv_bits != 16 else ""
     cache_lines += "".join(f"{line}\n" for line in cache)
     model_lines = "".join(f"{line}\n" for line in model)
+    server_lines = "".join(f"{line}\n" for line in server)
     config = work_dir / "omlx.toml"
     with_profiles(work_dir, code)
     head = f'profile = "{profile}"\n' if profile else ""
@@ -173,7 +174,7 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
 host = "{HOST}"
 port = {port}
 drain_timeout_s = 2
-
+{server_lines}
 [[models]]
 name = "bench"
 source = "{model_dir}"

@@ -683,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="one more [cache] line for omlx's config, e.g. 'memory_gb = 0'")
     parser.add_argument("--omlx-model", action="append", default=[], metavar="LINE",
                         help='one more [[models]] line for omlx\'s model, e.g. \'compile_blocks = "on"\'')
+    parser.add_argument("--omlx-server", action="append", default=[], metavar="LINE",
+                        help="one more [server] line for omlx's config, e.g. 'mlx_memory_limit_gb = 44' (beside "
+                             "--mlx-lm-batch-beside on an 80 GB card)")
     parser.add_argument("--mlx-lm-batch", action="store_true",
                         help="also run scenario A's prompts through mlx_lm's batch_generate, in-process, "
                              "after the servers have stopped")
@@ -732,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
                                dtype=dtype, batching=tuple(args.omlx_batching),
-                               cache=tuple(args.omlx_cache), model=tuple(args.omlx_model))]
+                               cache=tuple(args.omlx_cache), model=tuple(args.omlx_model),
+                               server=tuple(args.omlx_server))]
         if not args.omlx_only:
             servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
         record["servers"] = {s.name: s.argv for s in servers}
