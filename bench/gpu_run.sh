@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc
+#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -164,6 +164,16 @@ case ",$STEPS," in *,malloc,*)  # item 5: the server's glibc malloc tunables (pl
         bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --rounds 1 --steps 150 --variants padded,native \
         --out "$OUT/decode_host-malloc-$name-$round.json" 2>&1 | grep '"variant"' | cut -c1-300
     done
+  done ;; esac
+case ",$STEPS," in *,graphknobs,*)  # item 5: MLX CUDA's graph settings against the native decode pass's periodic
+  # slow passes (every ~5 passes, +7-12 ms in MLX's submit): in process, then over HTTP (KNOBS: env settings)
+  for knob in ${KNOBS:-default MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_OPS_PER_BUFFER=400 MLX_USE_CUDA_GRAPHS=0}; do
+    env $([ "$knob" = default ] || echo "$knob") timeout -k 20 "$STEP_S" python3 bench/decode_host.py --shape 8b \
+      --tokenizer .gpu/tok --rows 8 --rounds 1 --steps 300 --variants native --out "$OUT/decode_host-${knob//=/-}.json" 2>&1 \
+      | grep '"variant"' | cut -c1-330
+  done
+  for knob in ${AB_KNOBS:-MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0}; do
+    export "$knob"; omlx_ab "${knob//=/-}"; unset "${knob%%=*}"
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
