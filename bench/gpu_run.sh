@@ -177,7 +177,9 @@ case ",$STEPS," in *,graphknobs,*)  # item 5: MLX CUDA's graph settings against 
   done ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
-  # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory)
+  # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory;
+  # batch_generate in turn with the servers: "--only a --one-at-a-time --mlx-lm-batch-beside --omlx-server
+  # 'mlx_memory_limit_gb = 44'")
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
