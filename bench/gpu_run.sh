@@ -179,7 +179,7 @@ case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against
   # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
   # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory;
   # batch_generate in turn with the servers: "--only a --one-at-a-time --mlx-lm-batch-beside --omlx-server
-  # 'mlx_memory_limit_gb = 44'")
+  # mlx_memory_limit_gb=44", no spaces in a line: THROUGHPUT_ARGS is split on them)
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
