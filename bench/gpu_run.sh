@@ -12,8 +12,8 @@
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
 #
-# Everything lands in $OUT (JSON per bench, the server logs). Each step runs under its own
-# time limit (STEP_S, default 540 s) sent to the bench itself, so that it stops its servers;
+# Everything lands in $OUT (JSON per bench in results.tgz, the server logs in logs.tgz). Each
+# step runs under its own time limit (STEP_S, default 540 s) sent to the bench itself, so that it stops its servers;
 # servers a cut-off earlier call left behind are stopped first (they held 37 GB of the GPU
 # once). One model is kept on the 64 GiB disk at a time (the 70B one takes 36 GiB).
 set -u
@@ -220,3 +220,5 @@ case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at fewer bi
       | tail -8
   done ;; esac
 [ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs
+# The device returns at most 8 files a call: the JSON goes back as one archive.
+(cd "$OUT" && ls *.json >/dev/null 2>&1 && tar czf results.tgz *.json && rm -f *.json)
