@@ -494,7 +494,7 @@ class Engine:
         """One scheduler step: start and decode, hand the tokens out, then advance a prefill
         (`admit_s`: what admitting requests took before it, for the step trace)."""
         scheduler = self._scheduler
-        cpu_started = time.thread_time()
+        cpu_started = time.thread_time() if self._trace is not None else 0.0  # for the trace only
         try:
             prefilled, generated = scheduler.step()
         except Exception as e:
