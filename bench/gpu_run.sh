@@ -154,7 +154,7 @@ omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 
 }
 case ",$STEPS," in *,malloc,*)  # item 5: the server's glibc malloc tunables (platform.MALLOC_TUNABLES: one
   # arena) against glibc's default, in process (decode_host, each setting twice in turn) and over HTTP (omlx_ab)
-  tuned=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483648:glibc.malloc.arena_max=1
+  tuned=$(python3 -c "from appliance.platform import MALLOC_TUNABLES as t; print(':'.join(f'{k}={v}' for k, v in t.items()))")
   omlx_ab arena1  # the server sets the three tunables itself
   export GLIBC_TUNABLES=glibc.malloc.arena_max=64; omlx_ab arena64; unset GLIBC_TUNABLES
   for round in 0 1; do

@@ -732,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
         record["duration_s"] = round(time.time() - started, 1)
         write_json(out, record)
 
-    batch = BatchGenerate(model_dir) if args.mlx_lm_batch_beside and (args.only or "a") == "a" else None
+    runs_a = (args.only or "a") == "a"
+    batch = BatchGenerate(model_dir) if args.mlx_lm_batch_beside and runs_a else None
     with tempfile.TemporaryDirectory(prefix="omlx-bench-") as tmp:
         servers = [omlx_server(model_dir, work_dir=Path(tmp), max_running=OMLX_MAX_RUNNING,
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
@@ -757,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
                     record["log_tails"][server.name] = server.log_tail(60)
                 save()
     # After the servers have stopped, so that their memory (on a GPU, most of the card) is free.
-    if args.mlx_lm_batch and batch is None and (args.only or "a") == "a":
+    if args.mlx_lm_batch and batch is None and runs_a:
         scenario_a_batch(BatchGenerate(model_dir), plan, record["scenario_a_mlx_lm_batch"], save)
     record["complete"] = True
     save()
