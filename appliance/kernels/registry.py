@@ -9,9 +9,12 @@ kernels/cuda/); Metal and CPUs run the generic paths (a Metal version comes with
 test it on). The self-test checks the native kernels against the generic paths once per
 process, on a thread and stream of its own (`SELF_TEST.start`), so it never delays
 readiness; until it passes, the generic paths run. A kernel that fails it runs
-generically, the others natively. The kernels are compiled by NVRTC once per machine
-(kernels/cubins.py), not by MLX in each process: MLX holds the lock every kernel lookup
-takes while it compiles, which stalled the warm-up and the load.
+generically, the others natively. `auto` for `small_matmul` goes one step further: each
+engine runs it or MLX's matmuls per count of rows, whichever its measured decode passes
+find faster (engine/matmul_choice.py), since which wins depends on the host. The kernels
+are compiled by NVRTC once per machine (kernels/cubins.py), not by MLX in each process:
+MLX holds the lock every kernel lookup takes while it compiles, which stalled the warm-up
+and the load.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ KERNELS = {
 NATIVE: dict[str, frozenset[str]] = {name: frozenset({"cuda"}) for name in KERNELS}
 # kernel -> the self-test that checks it (the two KV kernels are checked together)
 CHECKED_BY = {"kv_quantize": "kv", "kv_dequantize": "kv", "small_matmul": "small_matmul"}
+# the kernels whose `auto` engines choose from measured passes, once native runs
+MEASURED = frozenset({"small_matmul"})
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,10 @@ def select(kernel: str, asked: str) -> Selection:
         return Selection(kernel, asked, "generic", f"the {backend()} kernel's self-test has not finished")
     if (failure := SELF_TEST.failures.get(kernel)) is not None:
         return Selection(kernel, asked, "generic", f"the {backend()} kernel failed its self-test: {failure}")
-    return Selection(kernel, asked, "native", f"the {backend()} kernel passed its self-test")
+    why = f"the {backend()} kernel passed its self-test"
+    if asked == "auto" and kernel in MEASURED:
+        why += "; each engine runs it or MLX's matmuls per count of rows, whichever its decode passes measure faster"
+    return Selection(kernel, asked, "native", why)
 
 
 _applies = itertools.count()
@@ -135,7 +143,7 @@ _latest = [0]
 
 
 def apply(asked: dict[str, str], use) -> None:
-    """Calls `use(chosen)` (kernel -> whether its native version runs) with what runs now,
+    """Calls `use(chosen)` (kernel -> its `Selection`) with what runs now,
     and again once the self-test has finished where a native kernel waits on it (unless
     another `apply` came in between). `switch` is the appliance's `use`."""
     this = _latest[0] = next(_applies)
@@ -143,7 +151,7 @@ def apply(asked: dict[str, str], use) -> None:
     def now() -> None:
         if _latest[0] != this:
             return
-        use({name: select(name, choice).chosen == "native" for name, choice in asked.items()})
+        use({name: select(name, choice) for name, choice in asked.items()})
 
     now()
     if any(c != "generic" and backend() in NATIVE[name] for name, c in asked.items()):
@@ -156,12 +164,15 @@ def report(asked: dict[str, str]) -> dict[str, dict[str, str]]:
             for name, choice in asked.items()}
 
 
-def switch(store, chosen: dict[str, bool]) -> None:
-    """Runs what `chosen` says (kernel -> native): the models' few-row matmuls
-    (kernels/small_matmul.py), and the KV store's moves to and from host memory (`store`,
-    where there is one)."""
+def switch(store, chosen: dict[str, Selection]) -> None:
+    """Runs what `chosen` says: the models' few-row matmuls (kernels/small_matmul.py), and
+    the KV store's moves to and from host memory (`store`, where there is one)."""
     from appliance.kernels import small_matmul
 
-    small_matmul.ENABLED = chosen.get("small_matmul", False)
+    def native(kernel: str) -> bool:
+        return kernel in chosen and chosen[kernel].chosen == "native"
+
+    small_matmul.ENABLED = native("small_matmul")
+    small_matmul.MEASURED = small_matmul.ENABLED and chosen["small_matmul"].asked == "auto"
     if store is not None:
-        store.use_native(quantize=chosen.get("kv_quantize", False), dequantize=chosen.get("kv_dequantize", False))
+        store.use_native(quantize=native("kv_quantize"), dequantize=native("kv_dequantize"))

@@ -11,6 +11,8 @@ machine (kernels/cubins.py), like the KV kernels.
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 
 from appliance.kernels.cubins import DTYPES, compiled, source
@@ -23,8 +25,24 @@ CHUNK = 32  # values of K per warp step
 WARPS = 8  # warps a block, splitting K: on an H100 as fast as 4 or faster for each of an 8B model's weights
 
 ENABLED = False  # whether models run their few-row matmuls here (kernels/registry.py sets it)
+# Whether engines choose per count of rows, from measured passes, between this kernel and
+# MLX's matmuls while ENABLED (`auto`; engine/matmul_choice.py); else they run this one.
+MEASURED = False
+
+_thread = threading.local()  # `on`: this thread's choice while ENABLED (set by `use_here`)
 
 _kernels: dict[tuple, tuple[str, bytes]] = {}
+
+
+def use_here(on: bool) -> None:
+    """Makes this thread's models run their few-row matmuls here (`on`, the default) or
+    by MLX's matmuls, while ENABLED: an engine's own choice (engine/matmul_choice.py)."""
+    _thread.on = on
+
+
+def in_use() -> bool:
+    """Returns whether a model called on this thread runs its few-row matmuls here."""
+    return ENABLED and getattr(_thread, "on", True)
 
 
 def unsupported_weight(w: mx.array) -> str | None:

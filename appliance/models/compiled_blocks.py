@@ -8,7 +8,7 @@ batch cache run the parts before and after the attention as `mx.compile`d functi
 the input norm, the projections and RoPE; then the output projection, the residuals, the
 second norm and the MLP. The cache update and the attention stay as they are (their
 shapes change every step). Each function is traced once per count of rows (and per
-state of `small_matmul.ENABLED`, which it reads while tracing); every other call is the
+state of `small_matmul.in_use()`, which it reads while tracing); every other call is the
 block's own.
 """
 
@@ -43,7 +43,7 @@ class CompiledBlock(llama.TransformerBlock):
         """Returns the compiled (before, after) for the kernel's state now. They hold the
         block weakly: a block that holds what holds it would wait for Python's collector,
         and its traced graph (its weights) with it, once its model is dropped."""
-        key = small_matmul.ENABLED
+        key = small_matmul.in_use()
         compiled = self.__dict__.setdefault("_compiled_parts", {})
         if key not in compiled:
             block = weakref.ref(self)

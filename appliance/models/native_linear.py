@@ -4,9 +4,10 @@ A decode pass of a few sequences on MLX CUDA is bound by the host, and MLX runs 
 matmul of more than one row through cuBLASLt at ~13 µs of the host's time a call
 (kernels/small_matmul.py). `use_native_linear` makes each Linear layer a `NativeLinear`:
 the same layer, with the same parameters, whose calls of 2 to `small_matmul.ROWS` rows
-(a decode pass's) in the weight's dtype run our kernel while `small_matmul.ENABLED` says
-so (the `[kernels]` key `small_matmul`, once the native kernels' self-test has passed);
-every other call, and every call while it is off, is the plain Linear's.
+(a decode pass's) in the weight's dtype run our kernel while `small_matmul.in_use()` says
+so (the `[kernels]` key `small_matmul`, once the native kernels' self-test has passed, and
+with `auto` the engine's measured choice, engine/matmul_choice.py); every other call,
+and every call while it is off, is the plain Linear's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class NativeLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self["weight"]
-        if small_matmul.ENABLED and 2 * x.shape[-1] <= x.size <= small_matmul.ROWS * x.shape[-1] and x.dtype == w.dtype:
+        k = x.shape[-1]
+        if small_matmul.in_use() and 2 * k <= x.size <= small_matmul.ROWS * k and x.dtype == w.dtype:
             y = small_matmul.matmul(x, w)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)  # MLX's matmul, which also promotes unlike dtypes

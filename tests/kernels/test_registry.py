@@ -31,7 +31,7 @@ def test_apply_hands_over_what_runs_now():
     calls = []
     apply({"kv_quantize": "auto", "kv_dequantize": "generic", "small_matmul": "auto"}, calls.append)
     native = backend() == "cuda"  # auto waits for the self-test there: generic until it passed
-    assert calls[0] == {"kv_quantize": False, "kv_dequantize": False, "small_matmul": False} or native
+    assert {name: s.chosen for name, s in calls[0].items()} == dict.fromkeys(calls[0], "generic") or native
 
 
 class Store:  # records what the KV store is told
@@ -44,13 +44,19 @@ class Store:  # records what the KV store is told
 
 def test_switch_tells_the_models_and_the_store():
     from appliance.kernels import small_matmul
-    from appliance.kernels.registry import switch
+    from appliance.kernels.registry import Selection, switch
+
+    def chosen(asked: str, **native: bool) -> dict[str, Selection]:
+        return {name: Selection(name, asked, "native" if on else "generic", "") for name, on in native.items()}
 
     store = Store()
     try:
-        switch(store, {"kv_quantize": True, "kv_dequantize": False, "small_matmul": True})
-        assert small_matmul.ENABLED and store.told == [{"quantize": True, "dequantize": False}]
-        switch(None, {"kv_quantize": True, "kv_dequantize": True, "small_matmul": False})  # no store yet
-        assert not small_matmul.ENABLED
+        switch(store, chosen("auto", kv_quantize=True, kv_dequantize=False, small_matmul=True))
+        assert small_matmul.ENABLED and small_matmul.MEASURED  # auto: each engine measures
+        assert store.told == [{"quantize": True, "dequantize": False}]
+        switch(None, chosen("native", kv_quantize=True, kv_dequantize=True, small_matmul=True))  # no store yet
+        assert small_matmul.ENABLED and not small_matmul.MEASURED  # asked for: always ours
+        switch(None, chosen("auto", small_matmul=False))
+        assert not small_matmul.ENABLED and not small_matmul.MEASURED
     finally:
-        small_matmul.ENABLED = False
+        small_matmul.ENABLED = small_matmul.MEASURED = False
