@@ -519,7 +519,8 @@ class Engine:
                 "tokens_out": len(generated), "prefill_calls": scheduler.last_prefill_calls,
                 "advanced": scheduler.last_advanced_tokens, "calls": scheduler.last_calls,
                 "phases_ms": {k: round(1000 * v, 2) for k, v in {"admit": admit_s, **phases}.items()},
-                "cpu_ms": round(1000 * (time.thread_time() - cpu_started), 2)})
+                "cpu_ms": round(1000 * (time.thread_time() - cpu_started), 2),
+                "small_matmul": scheduler.matmuls.last})
 
     def _save_computed(self) -> None:
         """Saves the full prompt blocks that running requests computed, at most one

@@ -47,6 +47,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from appliance.engine import attention
 from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shape
+from appliance.engine.matmul_choice import MatmulChoice
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
 from appliance.models.memory import free_bytes
@@ -223,6 +224,7 @@ class Scheduler:
         self.last_calls: list[tuple[str, int, int, float]] = []
         # The prompts the last step started: uid -> (prompt tokens computed, seconds), as _Prefill.
         self.last_prefilled: dict[int, tuple[int, float]] = {}
+        self.matmuls = MatmulChoice()  # a pass's few-row matmuls: ours or MLX's, as measured
         self._first_tokens_due = False  # pipelined: the last step started rows whose first token is next
         self._held_back = False  # the last advance() gave way to such rows
 
@@ -288,12 +290,13 @@ class Scheduler:
         """Starts the prompts that fit this step, then decodes one token for every running
         request; returns the uids that started and the decoded tokens."""
         self.last_prefilled = {}
+        quiet = all(kind == "pass" for kind, *_ in self.last_calls)  # the last step queued no prefill
         self.last_calls = []
         with mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
             t1 = time.perf_counter()
-            generated = self._decode()
+            generated = self._decode(measured=quiet and not started)
         self._first_tokens_due = bool(started) and self._generation_class is LeanGeneration
         self.last_start_s, self.last_decode_s = t1 - t0, time.perf_counter() - t1
         self._measure_call(self.last_start_s + self.last_decode_s)
@@ -516,14 +519,19 @@ class Scheduler:
             return DEFAULT_PASS_TOKENS
         return max(self._pass_s, self._call_s or 0.0) / self._fastest_start_s_per_token
 
-    def _decode(self) -> list[Generated]:
-        """Runs one decode step of every generation batch (a pass each); drops the emptied."""
+    def _decode(self, *, measured: bool) -> list[Generated]:
+        """Runs one decode step of every generation batch (a pass each); drops the emptied.
+        Each pass runs the matmuls chosen for its rows (engine/matmul_choice.py), which
+        learns from its time when `measured` (no prefill call queued before it) and it is
+        the step's only pass."""
         generated = []
         for rows in self._generations:
             shape = len(rows), generation_tokens(rows)
+            self.matmuls.before(len(rows))
             started = time.perf_counter()
             responses = rows.next()
             elapsed = time.perf_counter() - started
+            self.matmuls.after(shape[0], elapsed, measured=measured and len(self._generations) == 1)
             self._pass_s = min(self._pass_s or elapsed, elapsed)
             self.last_calls.append(("pass", *shape, round(1000 * elapsed, 2)))
             generated += [Generated(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)

@@ -4,7 +4,9 @@ Set `OMLX_STEP_TRACE` to a file path and every engine of the process appends to 
 line a step: when it ran, the requests running and waiting, what started and what came
 out, the prefill calls and the prompt tokens advanced, the seconds of each phase
 (engine.PHASES), the engine thread's CPU time over the step (`cpu_ms`: near the step's
-time, the host sets the pace), and each model call the step made (`Scheduler.last_calls`). The
+time, the host sets the pace), each model call the step made (`Scheduler.last_calls`), and
+what its last pass's few-row matmuls ran (`small_matmul`: native, generic, or null where
+the engine does not choose; engine/matmul_choice.py). The
 benchmarks set it to split a load measured over HTTP into its steps
 (bench/throughput.py); unset, an engine writes nothing.
 """

@@ -67,3 +67,4 @@ def test_an_engine_writes_a_line_a_step(loaded_model, tmp_path, monkeypatch):
     assert sum(r["tokens_out"] for r in records) == 5
     assert set(records[0]["phases_ms"]) == {"admit", "start", "decode", "deliver", "advance", "save"}
     assert all(r["cpu_ms"] > 0 for r in records)
+    assert all(r["small_matmul"] is None for r in records)  # chosen only where our kernel runs (CUDA, auto)
