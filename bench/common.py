@@ -152,11 +152,12 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
                 code: Path = REPO, profile: str | None = None, dtype: str = "float32",
                 memory_gb: float | None = None, ssd_kv_bits: int = 16, host_kv_bits: int = 16,
                 batching: tuple[str, ...] = (), cache: tuple[str, ...] = (),
-                model: tuple[str, ...] = (), server: tuple[str, ...] = ()) -> ServerProcess:
+                model: tuple[str, ...] = (), server: tuple[str, ...] = (),
+                kernels: tuple[str, ...] = ()) -> ServerProcess:
     """Returns (not started) an `omlx serve` on a free port with a temp config serving `model_dir`,
     running the `appliance` package of the checkout at `code`, under one of its `profile`s;
-    `batching`, `cache`, `model`, `server`: more `[batching]`, `[cache]`, `[[models]]` or
-    `[server]` lines (`key = value`, the value in TOML)."""
+    `batching`, `cache`, `model`, `server`, `kernels`: more `[batching]`, `[cache]`,
+    `[[models]]`, `[server]` or `[kernels]` lines (`key = value`, the value in TOML)."""
     port = free_port()
     batching_lines = f"prefill_chunk_tokens = {prefill_chunk_tokens}\n" if prefill_chunk_tokens else ""
     batching_lines += "".join(f"{line}\n" for line in batching)
@@ -166,6 +167,7 @@ def omlx_server(model_dir: Path, *, work_dir: Path, max_running: int, max_queued
     cache_lines += "".join(f"{line}\n" for line in cache)
     model_lines = "".join(f"{line}\n" for line in model)
     server_lines = "".join(f"{line}\n" for line in server)
+    kernels_lines = "".join(f"{line}\n" for line in kernels)
     config = work_dir / "omlx.toml"
     with_profiles(work_dir, code)
     head = f'profile = "{profile}"\n' if profile else ""
@@ -187,7 +189,9 @@ dir = "{work_dir / 'cache'}"
 [batching]
 max_running = {max_running}
 max_queued = {max_queued}
-{batching_lines}""")
+{batching_lines}
+[kernels]
+{kernels_lines}""")
     return omlx_process(config, port, OUT_DIR / "logs" / f"{log_name}.log", cwd=code)
 
 

@@ -7,7 +7,8 @@
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
-#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs
+#                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
+#                                  # matmulab,spypass
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -175,16 +176,34 @@ case ",$STEPS," in *,graphknobs,*)  # item 5: MLX CUDA's graph settings against 
   for knob in ${AB_KNOBS:-MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0}; do
     export "$knob"; omlx_ab "${knob//=/-}"; unset "${knob%%=*}"
   done ;; esac
+case ",$STEPS," in *,matmulab,*)  # item 5: the few-row matmuls over HTTP, each in turn with batch_generate at
+  # N = 8 and 32: MLX's (generic), ours (native), chosen from measured passes (auto); MATMULS: which
+  for kernel in ${MATMULS:-generic native auto}; do
+    omlx_ab "matmul-$kernel" --mlx-lm-batch-beside --omlx-server mlx_memory_limit_gb=44 \
+      --omlx-kernels "small_matmul = \"$kernel\""
+  done ;; esac
+case ",$STEPS," in *,spypass,*)  # item 5: where the host's time goes in 8-row decode passes, ours against MLX's
+  # matmuls: decode_host sampled by py-spy with native frames (1 ms), one process a variant; summed per library
+  model 8b
+  for variant in native fused; do
+    step /tmp/site/bin/py-spy record --threads --native -r 1000 -f raw -o "$OUT/spy-pass-$variant.txt" -- python3 \
+      bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --rounds 1 --steps 300 --variants $variant \
+      --out "$OUT/decode_host-spy-$variant.json" 2>&1 | grep '"variant"' | cut -c1-330
+    python3 bench/spy_threads.py "$OUT/spy-pass-$variant.txt" --native --threads 2 --top 25 2>&1 | head -70
+  done
+  (cd "$OUT" && tar czf spy-pass.tgz spy-pass-*.txt && rm -f spy-pass-*.txt) ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
   # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory;
   # batch_generate in turn with the servers: "--only a --one-at-a-time --mlx-lm-batch-beside --omlx-server
-  # mlx_memory_limit_gb=44", no spaces in a line: THROUGHPUT_ARGS is split on them)
+  # mlx_memory_limit_gb=44", no spaces in a line: THROUGHPUT_ARGS is split on them; THROUGHPUT_NAME names the
+  # files, e.g. for a second run in the same call with --omlx-kernels small_matmul=\"native\")
   model 8b
   mkdir -p bench/out/logs
-  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-throughput.jsonl \
+  name=${THROUGHPUT_NAME:-throughput}
+  OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-$name.jsonl \
   step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" ${THROUGHPUT_ARGS:---mlx-lm-batch} \
-    --out "$OUT/throughput.json" 2>&1 | tail -40 ;; esac
+    --out "$OUT/$name.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,composed,*)  # short calls' attention composed (no cuDNN graphs)
   omlx_ab composed --omlx-batching 'short_attention = "composed"' ;; esac
 case ",$STEPS," in *,compiled,*)  # each Llama block's decode calls compiled (models/compiled_blocks.py)

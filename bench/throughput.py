@@ -686,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omlx-server", action="append", default=[], metavar="LINE",
                         help="one more [server] line for omlx's config, e.g. 'mlx_memory_limit_gb = 44' (beside "
                              "--mlx-lm-batch-beside on an 80 GB card)")
+    parser.add_argument("--omlx-kernels", action="append", default=[], metavar="LINE",
+                        help="one more [kernels] line for omlx's config, e.g. 'small_matmul=\"native\"'")
     parser.add_argument("--omlx-code", type=Path, default=None, metavar="DIR",
                         help="run omlx from this checkout (e.g. a `git worktree` of an older commit), to A/B it")
     parser.add_argument("--mlx-lm-batch", action="store_true",
@@ -739,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_queued=OMLX_MAX_QUEUED, log_name="throughput-omlx", profile=args.profile,
                                dtype=dtype, batching=tuple(args.omlx_batching),
                                cache=tuple(args.omlx_cache), model=tuple(args.omlx_model),
-                               server=tuple(args.omlx_server),
+                               server=tuple(args.omlx_server), kernels=tuple(args.omlx_kernels),
                                **({"code": args.omlx_code.resolve()} if args.omlx_code else {}))]
         if not args.omlx_only:
             servers.append(mlx_lm_server(model_dir, extra_args=mlx_lm_args, log_name="throughput-mlx_lm"))
