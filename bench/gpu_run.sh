@@ -144,14 +144,14 @@ case ",$STEPS," in *,quant,*)  # issue #11: host and SSD tiers at 16, 8 and 4 bi
     step python3 bench/restore.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --sizes ${SIZES:-8K,32K} --host \
       --tiers-only --host-kv-bits $bits --ssd-kv-bits $bits --ssd-repeats 1 --out "$OUT/quant$bits.json" 2>&1 | tail -8
   done ;; esac
-omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 8 and 32 with ARGS for
+omlx_ab() {  # omlx_ab NAME ARGS...: item 5's A/Bs, omlx alone over HTTP at N = 8 and 32 (AB_N) with ARGS for
   # bench/throughput.py, each step traced (throughput-NAME.json, steps-NAME.jsonl)
   local name=$1; shift
   model 8b
   mkdir -p bench/out/logs
   OMLX_STEP_TRACE=$PWD/bench/out/logs/steps-$name.jsonl \
-  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --only a --n 8 --n 32 --omlx-only \
-    "$@" --out "$OUT/throughput-$name.json" 2>&1 | tail -14
+  step python3 bench/throughput.py --model /tmp/llama-8b --profile "$OMLX_PROFILE" --only a ${AB_N:---n 8 --n 32} \
+    --omlx-only "$@" --out "$OUT/throughput-$name.json" 2>&1 | tail -14
 }
 case ",$STEPS," in *,malloc,*)  # item 5: the server's glibc malloc tunables (platform.MALLOC_TUNABLES: one
   # arena) against glibc's default, in process (decode_host, each setting twice in turn) and over HTTP (omlx_ab)
@@ -183,15 +183,16 @@ case ",$STEPS," in *,matmulab,*)  # item 5: the few-row matmuls over HTTP, each 
       --omlx-kernels "small_matmul = \"$kernel\""
   done ;; esac
 case ",$STEPS," in *,spypass,*)  # item 5: where the host's time goes in 8-row decode passes, ours against MLX's
-  # matmuls: decode_host sampled by py-spy with native frames (1 ms), one process a variant; summed per library
+  # matmuls: decode_host sampled by py-spy with native frames (4 ms), one process a variant; summed per library
   model 8b
   for variant in native fused; do
-    step /tmp/site/bin/py-spy record --threads --native -r 1000 -f raw -o "$OUT/spy-pass-$variant.txt" -- python3 \
-      bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --rounds 1 --steps 300 --variants $variant \
-      --out "$OUT/decode_host-spy-$variant.json" 2>&1 | grep '"variant"' | cut -c1-330
-    python3 bench/spy_threads.py "$OUT/spy-pass-$variant.txt" --native --threads 2 --top 25 2>&1 | head -70
+    step /tmp/site/bin/py-spy record --threads --native -r ${SPY_RATE:-250} -f raw -o "$OUT/spy-pass-$variant.txt" -- python3 \
+      bench/decode_host.py --shape 8b --tokenizer .gpu/tok --rows 8 --rounds 1 --steps ${SPY_STEPS:-150} \
+      --variants $variant --out "$OUT/decode_host-spy-$variant.json" 2>&1 | grep '"variant"' | cut -c1-330
+    python3 bench/spy_threads.py "$OUT/spy-pass-$variant.txt" --native --threads 2 --top 25 > "$OUT/spy-pass-$variant.sum"
+    head -70 "$OUT/spy-pass-$variant.sum"
   done
-  (cd "$OUT" && tar czf spy-pass.tgz spy-pass-*.txt && rm -f spy-pass-*.txt) ;; esac
+  (cd "$OUT" && tar czf spy-pass.tgz spy-pass-*.txt spy-pass-*.sum && rm -f spy-pass-*.txt spy-pass-*.sum) ;; esac
 case ",$STEPS," in *,throughput,*)  # issue #16 item 5: N = 1, 8, 32, 64 against mlx_lm.server and batch_generate;
   # short requests during a 25K-token prefill (THROUGHPUT_ARGS replaces --mlx-lm-batch: "--only b --omlx-only";
   # on an 80 GB H100 "--only a --one-at-a-time --mlx-lm-batch": side by side N = 64 runs out of memory;

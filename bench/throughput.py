@@ -666,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("a", "b"), help="run one scenario only")
     parser.add_argument("--n", type=int, action="append", metavar="N",
                         help="scenario A at this concurrency only (repeat for several)")
+    parser.add_argument("--repeats", type=int, default=None, metavar="R",
+                        help="rounds per server at each N (default 2), in turn; more where a host's slow stretches "
+                             "make two rounds disagree")
     parser.add_argument("--omlx-only", action="store_true",
                         help="skip mlx_lm.server (for iterating; published figures come from runs with both)")
     parser.add_argument("--one-at-a-time", action="store_true",
@@ -704,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, concurrency=GPU_CONCURRENCY, long_prompt_tokens=GPU_LONG_PROMPT_TOKENS)
     if args.n:
         plan = replace(plan, concurrency=tuple(args.n))
+    if args.repeats:
+        plan = replace(plan, repeats=args.repeats)
     mlx_lm_args = [*MLX_LM_ARGS, *args.mlx_lm_arg]
     model_dir = args.model.resolve() if args.model else converted_model_dir()
     if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
