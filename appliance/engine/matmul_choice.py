@@ -10,9 +10,11 @@ servers"). So with `[kernels] small_matmul = "auto"` each engine measures its ow
 (`small_matmul.MEASURED`), per count of rows: it runs WINDOW passes with each, in turn,
 until each has WINDOWS windows; then the faster by mean pass for EXPLOIT passes; then
 one window of the other, one of the faster again, and chooses anew from the last
-WINDOWS windows of each. Passes that waited on a prefill call, or on a pass unlike them
+WINDOWS windows of each (the other lost by more than CLEAR: FAR times as many passes
+first). Passes that waited on a prefill call, or on a pass unlike them
 (the first SETTLE after a switch or a change of rows), measure nothing. About one pass in ten runs the
-slower choice, so a wrong guess costs little and a host that changes is followed.
+slower choice (one in forty where it lost clearly), so a wrong guess costs little and a
+host that changes is followed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ log = logging.getLogger("omlx.engine")
 WINDOW = 32  # measured passes a window: 8-row passes take ~8 ms, one in 5-11 twice that
 WINDOWS = 4  # windows of each choice a choice weighs
 EXPLOIT = 512  # measured passes the faster runs between probes of the other
+CLEAR = 1.1  # a choice this much slower than the other is probed FAR times less often
+FAR = 4
 SETTLE = 2  # passes after a switch that measure nothing: the first was built before it
 
 
@@ -66,7 +70,8 @@ class _Rows:
             log.info("small_matmul: passes of these rows now run %s (mean pass %.2f ms ours, %.2f ms MLX's)",
                      "our kernel" if faster else "MLX's matmuls", 1000 * means[True], 1000 * means[False])
         self.chosen = faster
-        return [(faster, EXPLOIT), (not faster, WINDOW), (faster, WINDOW)]
+        clear = means[not faster] > CLEAR * means[faster]  # on a slow host ours won by 15-25%
+        return [(faster, EXPLOIT * (FAR if clear else 1)), (not faster, WINDOW), (faster, WINDOW)]
 
 
 class MatmulChoice:
