@@ -11,10 +11,11 @@ servers"). So with `[kernels] small_matmul = "auto"` each engine measures its ow
 until each has WINDOWS windows; then the faster by mean pass for EXPLOIT passes; then
 one window of the other, one of the faster again, and chooses anew from the last
 WINDOWS windows of each (the other lost by more than CLEAR: FAR times as many passes
-first). Passes that waited on a prefill call, or on a pass unlike them
-(the first SETTLE after a switch or a change of rows), measure nothing. About one pass in ten runs the
+first). Passes that waited on a prefill call, or on a pass unlike them (the first SETTLE
+after a switch or a change of rows), measure nothing. About one pass in ten runs the
 slower choice (one in forty where it lost clearly), so a wrong guess costs little and a
-host that changes is followed.
+host that changes is followed. Where the engine does not choose (other rows, or
+`native` asked for), its thread runs ours.
 """
 
 from __future__ import annotations
@@ -89,10 +90,8 @@ class MatmulChoice:
 
     def before(self, rows: int) -> None:
         """Sets this thread's matmuls for a pass of `rows` rows about to be built."""
-        native = None
-        if self.measuring(rows):
-            native = self._rows.setdefault(rows, _Rows()).native
-            small_matmul.use_here(native)
+        native = self._rows.setdefault(rows, _Rows()).native if self.measuring(rows) else None
+        small_matmul.use_here(native is not False)  # ours, unless MLX's were chosen here
         self._alike = self._alike + 1 if self._pass == (rows, native) else 1
         self._pass = rows, native
 

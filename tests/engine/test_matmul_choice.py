@@ -104,13 +104,21 @@ def test_unmeasured_passes_and_passes_after_a_change_teach_nothing(measured):
     assert choice._rows[8].window == [] and not choice._rows[8].windows[False]
 
 
-def test_rows_it_does_not_choose_for_and_a_kernel_asked_for_leave_the_thread_as_it_is(measured):
+def test_rows_it_does_not_choose_for_and_a_kernel_asked_for_run_ours(measured):
     choice = MatmulChoice()
     assert run(choice, 500, ours_faster, rows=1) == [True] * 500  # one row: MLX's matvec anyway
     assert run(choice, 500, ours_faster, rows=small_matmul.ROWS + 1) == [True] * 500
     small_matmul.MEASURED = False  # `native` asked for: ours always
     assert run(choice, 500, ours_slower) == [True] * 500
     assert choice.choices() == {}
+
+
+def test_a_change_to_native_runs_ours_from_the_next_pass(measured):
+    choice = MatmulChoice()
+    run(choice, WINDOW + SETTLE + 1, ours_slower)  # into MLX's first window
+    assert not small_matmul.in_use()
+    small_matmul.MEASURED = False  # the spec now asks for `native`
+    assert run(choice, 3, ours_slower) == [True] * 3
 
 
 def test_the_choice_is_the_threads_own(measured):
