@@ -76,6 +76,9 @@ class ModelEntry:
             "load_s": round(loaded.load_s, 3) if loaded else None,
             "warm_up_s": round(self.engine.warm_up_s, 3) if self.engine and self.engine.warm_up_s else None,
             "shapes_to_warm": self.engine.shapes_to_warm if self.engine else 0,
+            # per count of rows, what `[kernels] small_matmul = "auto"` chose (CUDA)
+            "small_matmul": {str(rows): choice for rows, choice in self.engine.matmul_choices.items()}
+            if self.engine else {},
             "loaded_at": loaded.loaded_at if loaded else None,
             "limits": self.engine.limits.model_dump() if self.engine else None,
             "live_requests": self.engine.num_live if self.engine else 0,

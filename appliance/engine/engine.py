@@ -383,6 +383,12 @@ class Engine:
         """Returns how many call shapes the idle engine has yet to run."""
         return len(self._shapes) if self.limits.idle_shapes != "off" else 0
 
+    @property
+    def matmul_choices(self) -> dict[int, str]:
+        """Returns what the decode passes of each count of rows run now, native or generic,
+        where this engine chooses (engine/matmul_choice.py; copied, from any thread)."""
+        return self._scheduler.matmuls.choices() if self._scheduler is not None else {}
+
     def _gather(self, commands: _Commands) -> None:
         """Adds to `commands`, which woke an idle engine, what arrives until none has for
         `gather_ms` (at most `GATHER_ROUNDS` times that in all): clients sent together

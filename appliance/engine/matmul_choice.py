@@ -110,4 +110,5 @@ class MatmulChoice:
 
     def choices(self) -> dict[int, str]:
         """Returns, per count of rows measured, what its passes run now: native or generic."""
-        return {rows: "native" if state.native else "generic" for rows, state in sorted(self._rows.items())}
+        states = sorted(self._rows.items())  # one C call under the GIL: safe from the status's thread
+        return {rows: "native" if state.native else "generic" for rows, state in states}

@@ -1,18 +1,23 @@
 """An engine's choice between our small matmul and MLX's, from measured passes: the
-choice alone with given pass times, and a scheduler with the real model choosing."""
+choice alone with given pass times, and a scheduler and an engine with the real model
+choosing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 from mlx_lm.generate import StopSequences
 
 from appliance.engine import matmul_choice
+from appliance.engine.engine import Engine
 from appliance.engine.matmul_choice import EXPLOIT, FAR, SETTLE, WINDOW, WINDOWS, MatmulChoice
+from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.engine.sampling import GREEDY
 from appliance.engine.scheduler import Scheduler
 from appliance.kernels import small_matmul
+from appliance.spec import BatchingSpec
 
 
 @pytest.fixture
@@ -149,3 +154,24 @@ def test_a_scheduler_runs_the_choice_for_its_passes(loaded_model, measured, monk
         s.advance()
     # each probed (on a CPU our kernel is not in the model: both run MLX's matmuls)
     assert {"native", "generic"} <= set(ran) and set(s.matmuls.choices()) == {3}
+
+
+@pytest.mark.slow
+def test_an_engine_shows_what_it_chose(loaded_model, measured, monkeypatch):
+    monkeypatch.setattr(matmul_choice, "WINDOW", 2)
+    monkeypatch.setattr(matmul_choice, "WINDOWS", 1)
+    engine = Engine(loaded_model, BatchingSpec(max_running=4)).start()
+    assert engine.matmul_choices == {}
+
+    async def run() -> None:
+        handles = [engine.submit(GenerationRequest((1, 504 + i, 2114, 314), 30, SamplingParams(temperature=0)))
+                   for i in range(3)]
+        for handle in handles:
+            async for _ in handle:
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop(drain_s=0)
+    assert set(engine.matmul_choices.values()) <= {"native", "generic"} and 3 in engine.matmul_choices

@@ -42,6 +42,7 @@ def test_ready_only_after_load_and_warm_up(tmp_path):
         status = httpx.get(f"{server.url}/admin/api/status").json()["models"][0]
         assert status["warm_up_s"] > 0
         assert status["shapes_to_warm"] == 0  # batched start shapes are warmed on GPUs only
+        assert status["small_matmul"] == {}  # chosen where our kernel runs (CUDA) only
         # Nothing of the warm-up reaches the cache or the request history.
         assert status["recent_requests"] == []
         cache = httpx.get(f"{server.url}/admin/api/cache").json()
