@@ -4,6 +4,7 @@ benchmarks use)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -136,3 +137,21 @@ def loaded_model():
 
     spec = ModelSpec(name=MODEL_NAME, source=str(MODEL_GGUF), max_context_tokens=2048)
     return load_model(spec, base_dir=REPO, cache_dir=TEST_CACHE)
+
+
+def run_to_end(engine, requests: list, *, together: bool = False) -> None:
+    """Submits `requests` (GenerationRequests) to a started engine (`together`: all in
+    one step, so that one call starts them), reads every stream to its end, then stops
+    the engine."""
+
+    async def run() -> None:
+        with engine._cond if together else contextlib.nullcontext():
+            handles = [engine.submit(request) for request in requests]
+        for handle in handles:
+            async for _ in handle:
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop(drain_s=0)

@@ -12,6 +12,7 @@ from appliance.engine import scheduler
 from appliance.engine.engine import Engine, EngineClosed, QueueFull
 from appliance.engine.request import Delta, GenerationRequest, SamplingParams
 from appliance.spec import BatchingSpec
+from tests.conftest import run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -142,18 +143,7 @@ def test_prefill_speed_is_the_calls_tokens_per_second_however_many_rows_share_on
     limits = BatchingSpec(max_running=4, prefill_chunk_tokens=512, prefill_step_ms=0)
     engine = Engine(loaded_model, limits).start()
     req = request(loaded_model, "Name a color. " * 20, max_tokens=2)  # over RATE_TOKENS
-
-    async def main():
-        with engine._cond:  # all four arrive in one step: one call starts them
-            handles = [engine.submit(req) for _ in range(4)]
-        for handle in handles:
-            async for _ in handle:
-                pass
-
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop(drain_s=0)
+    run_to_end(engine, [req] * 4, together=True)  # all four in one step: one call starts them
     assert engine.prefill_tok_s == 4 * (len(req.prompt_tokens) - 1)  # the last token is decoded
 
 

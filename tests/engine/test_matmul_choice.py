@@ -4,7 +4,6 @@ choosing."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
@@ -18,6 +17,7 @@ from appliance.engine.sampling import GREEDY
 from appliance.engine.scheduler import Scheduler
 from appliance.kernels import small_matmul
 from appliance.spec import BatchingSpec
+from tests.conftest import run_to_end
 
 
 @pytest.fixture
@@ -163,15 +163,6 @@ def test_an_engine_shows_what_it_chose(loaded_model, measured, monkeypatch):
     engine = Engine(loaded_model, BatchingSpec(max_running=4)).start()
     assert engine.matmul_choices == {}
 
-    async def run() -> None:
-        handles = [engine.submit(GenerationRequest((1, 504 + i, 2114, 314), 30, SamplingParams(temperature=0)))
-                   for i in range(3)]
-        for handle in handles:
-            async for _ in handle:
-                pass
-
-    try:
-        asyncio.run(run())
-    finally:
-        engine.stop(drain_s=0)
+    greedy = SamplingParams(temperature=0)
+    run_to_end(engine, [GenerationRequest((1, 504 + i, 2114, 314), 30, greedy) for i in range(3)])
     assert set(engine.matmul_choices.values()) <= {"native", "generic"} and 3 in engine.matmul_choices

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import orjson
@@ -13,6 +12,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.engine.step_trace import ENV, StepTrace
 from appliance.spec import BatchingSpec
+from tests.conftest import run_to_end
 
 
 def lines(path) -> list[dict]:
@@ -52,15 +52,7 @@ def test_an_engine_writes_a_line_a_step(loaded_model, tmp_path, monkeypatch):
     engine = Engine(loaded_model, BatchingSpec(max_running=4, prefill_chunk_tokens=64)).start()
     prompt = tuple(loaded_model.encode_chat([{"role": "user", "content": "Name a color."}]))
 
-    async def run() -> None:
-        handle = engine.submit(GenerationRequest(prompt, 5, SamplingParams(temperature=0)))
-        async for _ in handle:
-            pass
-
-    try:
-        asyncio.run(run())
-    finally:
-        engine.stop(drain_s=0)
+    run_to_end(engine, [GenerationRequest(prompt, 5, SamplingParams(temperature=0))])
     records = [r for r in lines(tmp_path / "steps.jsonl") if r["model"] == loaded_model.name]
     assert len(records) == engine.num_steps
     assert records[0]["started"] == 1 and records[0]["prefill_calls"] >= 1
