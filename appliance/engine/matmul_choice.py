@@ -12,9 +12,10 @@ until each has WINDOWS windows; then the faster by mean pass for EXPLOIT passes;
 one window of the other, one of the faster again, and chooses anew from the last
 WINDOWS windows of each (the other lost by more than CLEAR: FAR times as many passes
 first). Passes that waited on a prefill call, or on a pass unlike them (the first SETTLE
-after a switch or a change of rows), measure nothing. About one pass in ten runs the
-slower choice (one in forty where it lost clearly), so a wrong guess costs little and a
-host that changes is followed. Where the engine does not choose (other rows, or
+after a switch or a change of rows), or that took OUTLIER times their window's fastest
+(a compile), measure nothing. About one pass in ten runs the slower choice (one in forty
+where it lost clearly), so a wrong guess costs little and a host that changes is
+followed. Where the engine does not choose (other rows, or
 `native` asked for), its thread runs ours.
 """
 
@@ -34,6 +35,9 @@ EXPLOIT = 512  # measured passes the faster runs between probes of the other
 CLEAR = 1.1  # a choice this much slower than the other is probed FAR times less often
 FAR = 4
 SETTLE = 2  # passes after a switch that measure nothing: the first was built before it
+# A pass this many times its window's fastest measures nothing: a kernel compiled for a
+# new shape (~1 s on an H200), not the matmuls (slow passes took 2-3x the median).
+OUTLIER = 5
 
 
 class _Rows:
@@ -50,7 +54,8 @@ class _Rows:
         """Counts a measured pass of the current stretch; moves to the next stretch at its end."""
         self.window.append(seconds)
         if len(self.window) == WINDOW:
-            self.windows[self.native].append(fmean(self.window))
+            floor = OUTLIER * min(self.window)  # the window's own: passes slow as the KV grows
+            self.windows[self.native].append(fmean(s for s in self.window if s <= floor))
             self.window = []
         self.left -= 1
         if self.left <= 0:

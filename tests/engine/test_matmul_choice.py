@@ -109,6 +109,17 @@ def test_unmeasured_passes_and_passes_after_a_change_teach_nothing(measured):
     assert choice._rows[8].window == [] and not choice._rows[8].windows[False]
 
 
+def test_a_pass_that_compiled_a_kernel_measures_nothing(measured):
+    choice = MatmulChoice()
+    passes = iter([0.007] * SETTLE + [1.0])  # ours' first measured pass: a new shape's compile
+
+    def seconds(native: bool) -> float:
+        return next(passes, 0.007) if native else 0.008
+
+    run(choice, 2 * WINDOWS * (WINDOW + SETTLE), seconds)
+    assert choice.choices() == {8: "native"}  # the 1 s pass left out: ours' windows are faster
+
+
 def test_rows_it_does_not_choose_for_and_a_kernel_asked_for_run_ours(measured):
     choice = MatmulChoice()
     assert run(choice, 500, ours_faster, rows=1) == [True] * 500  # one row: MLX's matvec anyway
