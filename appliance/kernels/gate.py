@@ -1,0 +1,122 @@
+"""One gate between the engines' model calls and work that may synchronize the whole GPU.
+
+MLX CUDA records its cuBLAS and cuDNN calls into CUDA graphs by stream capture. A call
+that synchronizes the device, made on any thread while a capture is under way on the same
+device, invalidates that capture, and MLX then aborts the process from a destructor
+(`terminate called ... cudaStreamEndCapture ... operation failed due to a previous error
+during capture`). An H100 server died so at start, right after the native kernels'
+self-test had finished beside the engine's warm-up and its listeners had started pinning
+host memory and loading the KV kernels (bench/capture_race.py reproduces it). Page-locking
+host memory, freeing it and loading a kernel module are such calls.
+
+So the engines hold the gate `shared()` while they run their model (a scheduler step, a
+layout's probe), any number of them at once, and work that may synchronize the device
+holds it `alone()`: it waits for the steps under way to end, and steps that come while it
+waits or runs wait for it. Such work comes in short pieces (one pinned slot, one kernel
+check), so a step waits at most for one of them.
+
+Both are reentrant on a thread. A thread that holds the gate shared and asks for it alone
+(an engine pinning a slot for a demote) is between MLX calls, so it cannot be capturing:
+it gives its share back while it waits, and takes it again after. `outside()` gives a
+thread's holds back for a while (an NVRTC compile, which is host work only).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+
+class Gate:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._sharers = 0  # threads holding it shared (each counted once)
+        self._holder: int | None = None  # the thread holding it alone
+        self._waiting = 0  # threads waiting to hold it alone
+        self._depth = threading.local()  # this thread's (shared, alone) nesting
+
+    def _held(self) -> tuple[int, int]:
+        return getattr(self._depth, "shared", 0), getattr(self._depth, "alone", 0)
+
+    def _set(self, shared: int, alone: int) -> None:
+        self._depth.shared, self._depth.alone = shared, alone
+
+    @contextmanager
+    def shared(self):
+        """Holds the gate shared (with other sharers, never beside one holding it alone)."""
+        shared, alone = self._held()
+        if not (shared or alone):
+            self._enter_shared()
+        self._set(shared + 1, alone)
+        try:
+            yield
+        finally:
+            self._set(shared, alone)
+            if not (shared or alone):
+                self._leave_shared()
+
+    @contextmanager
+    def alone(self):
+        """Holds the gate alone: no engine's step runs meanwhile."""
+        shared, alone = self._held()
+        if not alone:
+            if shared:
+                self._leave_shared()
+            self._enter_alone()
+        self._set(shared, alone + 1)
+        try:
+            yield
+        finally:
+            self._set(shared, alone)
+            if not alone:
+                self._leave_alone()
+                if shared:
+                    self._enter_shared()
+
+    @contextmanager
+    def outside(self):
+        """Gives back this thread's hold on the gate, if any, for the block's time."""
+        shared, alone = self._held()
+        if alone:
+            self._leave_alone()
+        elif shared:
+            self._leave_shared()
+        self._set(0, 0)
+        try:
+            yield
+        finally:
+            if alone:
+                self._enter_alone()
+            elif shared:
+                self._enter_shared()
+            self._set(shared, alone)
+
+    def _enter_shared(self) -> None:
+        with self._cond:
+            while self._holder is not None or self._waiting:
+                self._cond.wait()
+            self._sharers += 1
+
+    def _leave_shared(self) -> None:
+        with self._cond:
+            self._sharers -= 1
+            if not self._sharers:
+                self._cond.notify_all()
+
+    def _enter_alone(self) -> None:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._holder is not None or self._sharers:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._holder = threading.get_ident()
+
+    def _leave_alone(self) -> None:
+        with self._cond:
+            self._holder = None
+            self._cond.notify_all()
+
+
+GATE = Gate()
