@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass
+#                                  # matmulab,spypass,capture
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -54,6 +54,10 @@ import appliance.runtime, appliance.server.runner; t4 = time.perf_counter()
 print(f"import mlx.core {t1-t0:.2f} s, first eval {t2-t1:.2f} s, mlx_lm.utils {t3-t2:.2f} s, "
       f"omlx server {t4-t3:.2f} s")
 PY
+case ",$STEPS," in *,capture,*)  # a second thread's work against MLX's graph capture (kernels/gate.py);
+  # CAPTURE_JOBS: bench/capture_race.py's jobs, "+gate" ones as the server runs them
+  step python3 bench/capture_race.py --beside "${CAPTURE_JOBS:-none,pin,pinfree,kvwarm,selftest,readback,h2d,meminfo}" \
+    --repeats "${CAPTURE_REPEATS:-2}" --seconds 6 2>&1 | tee "$OUT/capture.jsonl" ;; esac
 case ",$STEPS," in *,host,*)
   step python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,kernels,*)

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from appliance.cache.block import Block
 from appliance.cache.keys import KeySpace, KVLayout
 from appliance.engine.mlxlm_seam import BatchCache, set_size
+from appliance.kernels.gate import GATE
 from appliance.kernels.kv_quant import pack, unpack
 
 CUT_RUN_BLOCKS = 8  # blocks cut_blocks stacks at once: its scratch copy is this many blocks
@@ -55,8 +56,9 @@ def probe_layout(model: nn.Module) -> KVLayout | None:
     caches = make_prompt_cache(model)
     if not caches or any(type(c) is not KVCache for c in caches):
         return None
-    model(mx.array([[0]]), cache=caches)
-    mx.eval([c.state for c in caches])
+    with GATE.shared():  # a model call, as an engine's step (kernels/gate.py)
+        model(mx.array([[0]]), cache=caches)
+        mx.eval([c.state for c in caches])
     shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype) for c in caches}
     if len(shapes) != 1:
         return None

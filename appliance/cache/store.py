@@ -43,6 +43,7 @@ from appliance.cache.ssd import SsdTier
 from appliance.cache.writer import SsdWriter
 from appliance.kernels import kv_move
 from appliance.kernels.cuda_driver import CudaError
+from appliance.kernels.gate import GATE
 from appliance.kernels.kv_quant import computed_nbytes, pack, payload_nbytes, stored_fraction
 from appliance.kernels.pinned import PinnedPool
 from appliance.moving_average import moving_average
@@ -557,7 +558,8 @@ class KVStore:
         def run() -> None:
             with mx.stream(mx.new_stream(mx.gpu)):
                 for dtype, k_dim, v_dim in layouts:
-                    failure = kv_move.warm(dtype=dtype, k_dim=k_dim, v_dim=v_dim, bits=bits)
+                    with GATE.alone():  # between the engines' steps (kernels/gate.py; compiling holds no gate)
+                        failure = kv_move.warm(dtype=dtype, k_dim=k_dim, v_dim=v_dim, bits=bits)
                     if failure is not None:
                         log.warning("native KV kernels for %s KV (head dims %d, %d) failed: %s",
                                     dtype, k_dim, v_dim, failure)

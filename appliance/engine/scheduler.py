@@ -50,6 +50,7 @@ from appliance.engine.call_budget import batch_fits, max_call_tokens, model_shap
 from appliance.engine.matmul_choice import MatmulChoice
 from appliance.engine.mlxlm_seam import BatchCache, EagerGeneration, LeanGeneration, prompt_padded, row_view
 from appliance.engine.prefill import STEP_TOKENS, can_prefill, prefill
+from appliance.kernels.gate import GATE
 from appliance.models.memory import free_bytes
 from appliance.platform import device_kind
 from appliance.spec import BatchingSpec
@@ -292,7 +293,7 @@ class Scheduler:
         self.last_prefilled = {}
         quiet = all(kind == "pass" for kind, *_ in self.last_calls)  # the last step queued no prefill
         self.last_calls = []
-        with mx.stream(generation_stream), attention.composing(self.composing):
+        with GATE.shared(), mx.stream(generation_stream), attention.composing(self.composing):
             t0 = time.perf_counter()
             started = self._start()
             t1 = time.perf_counter()
@@ -437,7 +438,7 @@ class Scheduler:
         if n < p.todo:  # a cut chunk keeps to whole shapes; the prompt's last one is padded
             n = min(p.todo, max(self.shape_tokens, n // self.shape_tokens * self.shape_tokens))
         self._budget_left = 0
-        with mx.stream(generation_stream), attention.composing(self.composing):
+        with GATE.shared(), mx.stream(generation_stream), attention.composing(self.composing):
             seconds = self._timed_prompt([p], p.batch, [p.remaining[:n]])
         p.s_per_token = self._measured(seconds, n, p.s_per_token)
         p.remaining = p.remaining[n:]

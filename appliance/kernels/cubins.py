@@ -22,6 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from appliance.kernels.cuda_driver import compute_capability
+from appliance.kernels.gate import GATE
 from appliance.kernels.nvrtc import compile_cubin, version
 from appliance.platform import kernel_dir
 
@@ -73,7 +74,8 @@ def cubin(source: str, *, name: str, arch: str, directory: Path | None) -> bytes
         kept = _read(path)
         if kept is not None:
             return kept
-    compiled = compile_cubin(source, name=name, arch=arch, options=OPTIONS)
+    with GATE.outside():  # host work only: the engines' steps need not wait for it (kernels/gate.py)
+        compiled = compile_cubin(source, name=name, arch=arch, options=OPTIONS)
     if path is not None:
         _write(path, compiled)
     return compiled

@@ -12,11 +12,13 @@ address equals the host address; it is asked for anyway).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from functools import cache
 
 from appliance.kernels.cuda_driver import CudaError, CurrentContext, check, driver
+from appliance.kernels.gate import GATE
 
 _PORTABLE, _DEVICEMAP = 0x01, 0x02
 
@@ -28,29 +30,30 @@ class PinnedBuffer:
     def __init__(self, nbytes: int):
         lib = driver()
         ptr = ctypes.c_void_p()
-        with CurrentContext():
+        with GATE.alone(), CurrentContext():  # page-locking synchronizes the device (kernels/gate.py)
             check(lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), _PORTABLE | _DEVICEMAP),
                    f"cuMemHostAlloc of {nbytes} bytes")
             dptr = ctypes.c_uint64()
             code = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0)
-        if code != 0:
-            with CurrentContext():
+            if code != 0:
                 lib.cuMemFreeHost(ptr)
-            check(code, "cuMemHostGetDevicePointer")
+        check(code, "cuMemHostGetDevicePointer")
         self.nbytes = nbytes
         self.host_address: int = ptr.value
         self.device_address: int = dptr.value
         self.view = memoryview((ctypes.c_uint8 * nbytes).from_address(ptr.value)).cast("B")
 
-    def free(self) -> None:
+    def free(self, *, gated: bool = True) -> None:
+        """Unpins and frees the memory; `gated` false frees it without waiting for the
+        gate (garbage collection, which may run inside the gate's own code)."""
         if self.host_address:
-            with CurrentContext():
+            with GATE.alone() if gated else contextlib.nullcontext(), CurrentContext():
                 driver().cuMemFreeHost(ctypes.c_void_p(self.host_address))
             self.host_address = 0
 
     def __del__(self):
         try:
-            self.free()
+            self.free(gated=False)
         except Exception:  # interpreter shutdown: the driver may be gone already
             pass
 
@@ -105,7 +108,9 @@ class PinnedPool:
         with self._lock:
             free = self._free.setdefault(size, [])
             buffer = free.pop() if free else None
-            self._trim()
+            trimmed = self._trim()
+        for extra in trimmed:  # outside the lock: a free waits for the engines' steps (kernels/gate.py)
+            extra.free()
         if buffer is None:
             if not allocate:
                 return None
@@ -137,12 +142,16 @@ class PinnedPool:
         self.total_bytes += size
         return buffer
 
-    def _trim(self) -> None:
+    def _trim(self) -> list[PinnedBuffer]:
+        """Takes the free buffers beyond `keep_free_bytes` out of the pool (`_lock` held);
+        returns them, for the caller to free."""
+        trimmed = []
         for free in list(self._free.values()):
             while free and self.free_bytes > self._keep_free:
                 buffer = free.pop()
-                buffer.free()
                 self.total_bytes -= buffer.nbytes
+                trimmed.append(buffer)
+        return trimmed
 
     def free_bytes_of(self, nbytes: int) -> int:
         """Returns the bytes of free slots that hold `nbytes`."""

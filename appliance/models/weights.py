@@ -30,6 +30,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from appliance.kernels.cubins import compiled, source
+from appliance.kernels.gate import GATE
 from appliance.kernels.kv_move import THREADS, grid
 from appliance.kernels.pinned import PinnedBuffer
 
@@ -185,7 +186,10 @@ class PinnedLoader:
                     mx.eval(copies[i - 2])  # the kernels reading this buffer are done before it is refilled
                 self._read(batch, buffer)
                 arrays = [self._copy(buffer.device_address + s.place, s.tensor) for s in batch]
-                mx.async_eval(arrays)  # copied while the next batch is read into the other buffer
+                # Copied while the next batch is read into the other buffer; the first launch
+                # loads the kernel's module, between the engines' steps (kernels/gate.py).
+                with GATE.alone() if i == 0 else contextlib.nullcontext():
+                    mx.async_eval(arrays)
                 copies.append(arrays)
                 weights.update((s.tensor.name, a) for s, a in zip(batch, arrays))
             mx.eval(list(weights.values()))

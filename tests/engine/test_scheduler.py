@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import mlx.core as mx
 import pytest
@@ -23,6 +24,7 @@ from appliance.engine.scheduler import (
     row_groups,
     split_by_length,
 )
+from appliance.kernels.gate import GATE
 from appliance.spec import BatchingSpec
 
 pytestmark = pytest.mark.slow
@@ -571,3 +573,14 @@ def test_a_batched_start_call_is_priced_at_what_it_was_measured_to_cost(loaded_m
     insert(s, tokens(40))
     s.step()  # a lone prompt's call (the plain path) is not a batched one: not measured
     assert [c[:2] for c in s.last_calls if c[0] == "start"] == [("start", 1)] and s._call_s == pytest.approx(0.0425)
+
+
+def test_a_scheduler_step_waits_while_work_holds_the_gate_alone(loaded_model):
+    """Its model calls never run beside work that may synchronize the GPU (kernels/gate.py)."""
+    s = Scheduler(loaded_model.model, chunk_tokens=512, step_s=None)
+    insert(s, tokens(40, 0))
+    stepped = threading.Event()
+    with GATE.alone():
+        threading.Thread(target=lambda: (s.step(), stepped.set()), daemon=True).start()
+        assert not stepped.wait(0.5)
+    assert stepped.wait(30)

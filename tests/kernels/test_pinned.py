@@ -75,3 +75,20 @@ def test_free_bytes_are_counted_per_slot_size():
     assert pool.free_bytes_of(3 * SLOT_ALIGN - 1) == 3 * SLOT_ALIGN
     assert pool.free_bytes_of(1) == SLOT_ALIGN and pool.free_bytes_of(2 * SLOT_ALIGN) == 0
     assert pool.free_bytes == 4 * SLOT_ALIGN
+
+
+def test_the_pool_frees_what_it_trims_outside_its_lock():
+    """A free waits for the engines' steps (kernels/gate.py); an engine taking a slot in
+    its step must not wait for the pool's lock meanwhile."""
+    freed_with_lock_held = []
+
+    class Buffer(PlainBuffer):
+        def free(self):
+            freed_with_lock_held.append(pool._lock.locked())
+
+    pool = PinnedPool(keep_free_bytes=0, allocate=Buffer)
+    views = [pool.take(10)[0] for _ in range(2)]
+    del views
+    gc.collect()
+    assert pool.take(10, allocate=False)  # takes one back, trims the other
+    assert freed_with_lock_held == [False]
