@@ -13,7 +13,9 @@ So the engines hold the gate `shared()` while they run their model (a scheduler 
 layout's probe), any number of them at once, and work that may synchronize the device
 holds it `alone()`: it waits for the steps under way to end, and steps that come while it
 waits or runs wait for it. Such work comes in short pieces (one pinned slot, one kernel
-check), so a step waits at most for one of them.
+check), so a step waits at most for one of them: the steps that waited for a piece run
+before the next piece does (without that turn, a thread pinning slot after slot let an
+engine run 2 passes in 6.6 s on an H100).
 
 Both are reentrant on a thread. A thread that holds the gate shared and asks for it alone
 (an engine pinning a slot for a demote) is between MLX calls, so it cannot be capturing:
@@ -33,6 +35,8 @@ class Gate:
         self._sharers = 0  # threads holding it shared (each counted once)
         self._holder: int | None = None  # the thread holding it alone
         self._waiting = 0  # threads waiting to hold it alone
+        self._queued = 0  # threads waiting to share it
+        self._granted = 0  # of those, how many may come in before the next to hold it alone
         self._depth = threading.local()  # this thread's (shared, alone) nesting
 
     def _held(self) -> tuple[int, int]:
@@ -93,8 +97,14 @@ class Gate:
 
     def _enter_shared(self) -> None:
         with self._cond:
-            while self._holder is not None or self._waiting:
-                self._cond.wait()
+            while self._holder is not None or (self._waiting and not self._granted):
+                self._queued += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._queued -= 1
+            if self._granted:
+                self._granted -= 1
             self._sharers += 1
 
     def _leave_shared(self) -> None:
@@ -107,7 +117,7 @@ class Gate:
         with self._cond:
             self._waiting += 1
             try:
-                while self._holder is not None or self._sharers:
+                while self._holder is not None or self._sharers or self._granted:
                     self._cond.wait()
             finally:
                 self._waiting -= 1
@@ -116,6 +126,7 @@ class Gate:
     def _leave_alone(self) -> None:
         with self._cond:
             self._holder = None
+            self._granted = self._queued  # the steps that waited run before the next piece of work
             self._cond.notify_all()
 
 

@@ -7,6 +7,7 @@ What it prevents (a capture invalidated, the process aborted) needs an NVIDIA GP
 from __future__ import annotations
 
 import threading
+import time
 
 from appliance.kernels.gate import Gate
 
@@ -112,3 +113,34 @@ def test_outside_lets_the_others_in_for_a_while():
     back.set()
     assert compiled.wait(WAIT_S)
 
+
+
+def test_steps_that_waited_for_a_piece_of_work_run_before_the_next_piece():
+    """A thread pinning slot after slot must not keep an engine out."""
+    gate, stop = Gate(), threading.Event()
+    pieces, steps = [0], [0]
+    in_piece = threading.Event()
+
+    def pin_slots():
+        while not stop.is_set():
+            with gate.alone():
+                in_piece.set()
+                pieces[0] += 1
+                time.sleep(0.001)
+
+    during = []  # pieces of work that ran between an engine's steps
+
+    def engine():
+        while not stop.is_set() and steps[0] < 20:
+            before = pieces[0]
+            with gate.shared():
+                during.append(pieces[0] - before)
+                steps[0] += 1
+
+    pinning, _ = in_thread(pin_slots)
+    assert in_piece.wait(WAIT_S)
+    _, engine_done = in_thread(engine)
+    assert engine_done.wait(WAIT_S)
+    stop.set()
+    pinning.join(WAIT_S)
+    assert steps[0] == 20 and max(during) <= 3, during  # one piece before each step (or so: threads switch)
