@@ -4,10 +4,12 @@ MLX CUDA records its cuBLAS and cuDNN calls into CUDA graphs by stream capture. 
 that synchronizes the device, made on any thread while a capture is under way on the same
 device, invalidates that capture, and MLX then aborts the process from a destructor
 (`terminate called ... cudaStreamEndCapture ... operation failed due to a previous error
-during capture`). An H100 server died so at start, right after the native kernels'
+during capture`). An H100 server died so once at start, right after the native kernels'
 self-test had finished beside the engine's warm-up and its listeners had started pinning
-host memory and loading the KV kernels (bench/capture_race.py reproduces it). Page-locking
-host memory, freeing it and loading a kernel module are such calls.
+host memory and loading the KV kernels. bench/capture_race.py did not reproduce it (docs/
+GPU.md, "Work beside a stream capture"), so this rests on CUDA's rule: page-locking host
+memory synchronizes the device (the CUDA programming guide's implicit synchronization);
+freeing it and loading a kernel module are treated alike.
 
 So the engines hold the gate `shared()` while they run their model (a scheduler step, a
 layout's probe), any number of them at once, and work that may synchronize the device

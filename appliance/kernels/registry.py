@@ -96,7 +96,7 @@ class _SelfTest:
         for name, test in tests.items():
             try:
                 # Beside the engines' work, not in it; between their steps: loading a kernel
-                # module synchronizes the device (kernels/gate.py; compiling holds no gate).
+                # module may synchronize the device (kernels/gate.py; compiling holds no gate).
                 with GATE.alone(), mx.stream(mx.new_stream(mx.gpu)):
                     failures[name] = test()
             except Exception as e:
