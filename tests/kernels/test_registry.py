@@ -60,3 +60,15 @@ def test_switch_tells_the_models_and_the_store():
         assert not small_matmul.ENABLED and not small_matmul.MEASURED
     finally:
         small_matmul.ENABLED = small_matmul.MEASURED = False
+
+
+def test_the_self_test_runs_between_the_engines_steps():
+    """Its checks load kernel modules, which may synchronize the GPU (kernels/gate.py)."""
+    from appliance.kernels.gate import GATE
+    from appliance.kernels.registry import _SelfTest
+
+    test = _SelfTest()
+    with GATE.shared():  # an engine's step under way
+        test.start()
+        assert not test.done.wait(0.3)
+    assert test.done.wait(60)
