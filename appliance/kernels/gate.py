@@ -1,8 +1,9 @@
 """One gate between the engines' model calls and work that may synchronize the whole GPU.
 
 MLX CUDA records its cuBLAS and cuDNN calls into CUDA graphs by stream capture. A call
-that synchronizes the device, made on any thread while a capture is under way on the same
-device, invalidates that capture, and MLX then aborts the process from a destructor
+that synchronizes the device while a capture is under way invalidates it (by one test
+on NVIDIA GPUs, also from another thread of the same device, in every capture mode:
+docs/GPU.md), and MLX then aborts the process from a destructor
 (`terminate called ... cudaStreamEndCapture ... operation failed due to a previous error
 during capture`). An H100 server died so once at start, right after the native kernels'
 self-test had finished beside the engine's warm-up and its listeners had started pinning
