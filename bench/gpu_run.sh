@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture
+#                                  # matmulab,spypass,capture,startloop
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -114,6 +114,16 @@ case ",$STEPS," in *,ready,*)
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"
   ready --stand-in off --out "$OUT/ready-later-no-stand-in.json" ;; esac
+case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] STARTLOOP_KERNELS (default
+  # small_matmul = "generic", the setting a server once aborted in at start: docs/GPU.md, "Work beside a stream
+  # capture"); each start's time to ready, or what ended it
+  model 8b
+  for i in $(seq "${STARTS:-6}"); do
+    step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 2000 --max-tokens 8 \
+      --kernels "${STARTLOOP_KERNELS:-small_matmul = \"generic\"}" --out "$OUT/startloop-$i.json" 2>&1 \
+      | grep -E '"start_to_ready_s"|terminate|what\(\)|Error' | head -5
+    echo "start $i: exit ${PIPESTATUS[0]}"
+  done ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)

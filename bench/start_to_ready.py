@@ -126,6 +126,8 @@ def main() -> int:
                         help="empty JIT caches (MLX's PTX, the CUDA driver's): a machine's first start")
     parser.add_argument("--kernels-in-cache-dir", action="store_true",
                         help="JIT caches where omlx serve keeps them: in its cache dir (under --work)")
+    parser.add_argument("--kernels", default="", metavar="LINE",
+                        help='a line of the config\'s [kernels] table, e.g. small_matmul = "generic"')
     parser.add_argument("--work", type=Path, default=None,
                         help="the dir for the config and the cache (default: a fresh one); reused, a later start")
     args = parser.parse_args()
@@ -148,6 +150,9 @@ default = true
 
 [cache]
 dir = "{work / 'cache'}"
+
+[kernels]
+{args.kernels}
 """)
     log_path = (args.out.parent if args.out else work) / "omlx_server.log"
     server = omlx_process(config, port, log_path)
@@ -163,7 +168,7 @@ dir = "{work / 'cache'}"
     started, spawned_at = time.perf_counter(), time.time()
     results: dict = {"tokens": args.tokens, "profile": args.profile, "stand_in": args.stand_in or "config",
                      "fresh_kernel_caches": args.fresh_kernel_caches,
-                     "kernels_in_cache_dir": args.kernels_in_cache_dir}
+                     "kernels_in_cache_dir": args.kernels_in_cache_dir, "kernels": args.kernels}
     with server.start(ready_timeout_s=600):
         results["start_to_ready_s"] = round(time.perf_counter() - started, 2)
         text = log_path.read_text(errors="replace")
