@@ -24,6 +24,12 @@ Both are reentrant on a thread. A thread that holds the gate shared and asks for
 (an engine pinning a slot for a demote) is between MLX calls, so it cannot be capturing:
 it gives its share back while it waits, and takes it again after. `outside()` gives a
 thread's holds back for a while (an NVRTC compile, which is host work only).
+
+Deadlocks to avoid: a sharer must not wait for a thread that may ask for the gate alone
+(the kv-read threads free the pinned slots a pool trims; so an engine holds the gate
+around its model calls only, never while a restore waits for its reads), and no one waits
+for the gate holding a lock that a sharer takes (`PinnedPool` frees after its lock).
+MLX's own frees and managed allocations on other threads are not covered.
 """
 
 from __future__ import annotations
