@@ -42,7 +42,7 @@ class Gate:
     def __init__(self):
         self._cond = threading.Condition()
         self._sharers = 0  # threads holding it shared (each counted once)
-        self._holder: int | None = None  # the thread holding it alone
+        self._alone_taken = False  # whether a thread holds it alone
         self._waiting = 0  # threads waiting to hold it alone
         self._queued = 0  # threads waiting to share it
         self._granted = 0  # of those, how many may come in before the next to hold it alone
@@ -106,7 +106,7 @@ class Gate:
 
     def _enter_shared(self) -> None:
         with self._cond:
-            while self._holder is not None or (self._waiting and not self._granted):
+            while self._alone_taken or (self._waiting and not self._granted):
                 self._queued += 1
                 try:
                     self._cond.wait()
@@ -126,15 +126,15 @@ class Gate:
         with self._cond:
             self._waiting += 1
             try:
-                while self._holder is not None or self._sharers or self._granted:
+                while self._alone_taken or self._sharers or self._granted:
                     self._cond.wait()
             finally:
                 self._waiting -= 1
-            self._holder = threading.get_ident()
+            self._alone_taken = True
 
     def _leave_alone(self) -> None:
         with self._cond:
-            self._holder = None
+            self._alone_taken = False
             self._granted = self._queued  # the steps that waited run before the next piece of work
             self._cond.notify_all()
 
