@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop
+#                                  # matmulab,spypass,capture,startloop,hit
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -109,11 +109,18 @@ case ",$STEPS," in *,ready,*)
   # fills it where a fresh machine has it empty; then two later starts: imports profiled,
   # and with the warm-up after the load instead of beside it (its parts unshared).
   ready() { step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 "$@" 2>&1 \
-    | grep -E '"(start_to_ready|model_load|stand_in_warm_up|stand_in_end_after_load|process_to_first_log_line|warm_up|weights_preload|weights_preloaded_after_start)_s"|warmed up|preload'; }
+    | grep -E '"(start_to_ready|model_load|stand_in_warm_up|stand_in_end_after_load|process_to_first_log_line|warm_up|weights_preload|weights_preloaded_after_start|memory_hit_median)_s"|warmed up|preload'; }
   ready --fresh-kernel-caches --out "$OUT/ready.json"
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"
   ready --stand-in off --out "$OUT/ready-later-no-stand-in.json" ;; esac
+case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client (one-token chats against a short
+  # one's); two starts, the first filling MLX's kernel cache where the machine is fresh
+  model 8b
+  for run in 1 2; do
+    step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-32000} \
+      --out "$OUT/hit-$run.json" 2>&1 | grep -E '"start_to_ready_s"|"label"|memory_hit_median' | cut -c1-300
+  done ;; esac
 case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] STARTLOOP_KERNELS (default
   # small_matmul = "generic", the setting a server once aborted in at start: docs/GPU.md, "Work beside a stream
   # capture"); each start's time to ready, or what ended it

@@ -6,7 +6,11 @@ the process start, splits that time by the server log's timestamps (process star
 first line: imports and device set-up; the model load; the warm-up of the model's
 stand-in beside the load; load to warm-up: the weights' fingerprint and the cache
 set-up; the warm-up), then streams the chats and prints TTFT and decode ms/token of
-each. `--import-profile` runs the server with `-X importtime` and adds its slowest
+each. Then what a memory hit adds to a request at the client: one-token chats (not
+streamed: the reply comes after the first token, whatever text it decodes to) of the long
+prompt again and of a short one, in turn, `--hit-repeats` times each; their medians'
+difference is the hit's cost (tokenizing, looking up and restoring 25K tokens, the tail's
+prefill). `--import-profile` runs the server with `-X importtime` and adds its slowest
 imports.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
@@ -28,6 +32,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -111,6 +116,18 @@ def import_profile(log: str, *, top: int = 15) -> dict:
             "longest": [{"module": name, "cumulative_s": round(s, 3), "depth": depth} for s, depth, name in longest]}
 
 
+async def one_token(http, url: str, messages: list[dict]) -> dict:
+    """One chat of one token, not streamed: its time at the client and the cached tokens."""
+    started = time.perf_counter()
+    reply = await http.post(f"{url}/v1/chat/completions",
+                            json={"messages": messages, "max_tokens": 1, "temperature": 0.0})
+    elapsed = time.perf_counter() - started
+    reply.raise_for_status()
+    usage = reply.json()["usage"]
+    return {"s": round(elapsed, 4), "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path)
@@ -118,6 +135,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=25000)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--hit-repeats", type=int, default=5,
+                        help="one-token chats of the long prompt (memory hits) and of a short one, each")
     parser.add_argument("--import-profile", action="store_true",
                         help="run the server with -X importtime and report its slowest imports")
     parser.add_argument("--stand-in", choices=("auto", "on", "off"), default=None,
@@ -195,9 +214,19 @@ dir = "{work / 'cache'}"
                                  "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
                                  "completion_tokens": t.completion_tokens, "error": t.error})
                     print(json.dumps(runs[-1]), flush=True)
-                return runs
+                hits, shorts = [], []
+                short = [{"role": "user", "content": "Say hello."}]
+                for _ in range(args.hit_repeats):
+                    hits.append(await one_token(http, server.url, first))
+                    shorts.append(await one_token(http, server.url, short))
+                return runs, hits, shorts
 
-        results["requests"] = asyncio.run(go())
+        results["requests"], hits, shorts = asyncio.run(go())
+        if hits:
+            hit_s, short_s = (statistics.median(r["s"] for r in rs) for rs in (hits, shorts))
+            results["one_token"] = {"memory_hit": hits, "short": shorts, "memory_hit_median_s": hit_s,
+                                    "short_median_s": short_s, "memory_hit_adds_s": round(hit_s - short_s, 4)}
+            print(json.dumps({k: v for k, v in results["one_token"].items() if k.endswith("_s")}), flush=True)
         # The server's own view of each request (queue, TTFT from submit, prefill rate).
         status = get_json(server.url, "/admin/api/status")
         results["server_side"] = [m.get("recent_requests") for m in status.get("models", [])]
