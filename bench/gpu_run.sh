@@ -117,7 +117,7 @@ case ",$STEPS," in *,ready,*)
 case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client (one-token chats against a short
   # one's); two starts, the first filling MLX's kernel cache where the machine is fresh
   model 8b
-  for run in 1 2; do
+  for run in $(seq ${HIT_RUNS:-2}); do
     step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-32000} \
       --out "$OUT/hit-$run.json" 2>&1 | grep -E '"start_to_ready_s"|"label"|memory_hit_median' | cut -c1-300
   done ;; esac

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from appliance.models import preload
 from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.native_linear import native_linear_here
+from appliance.models.pieces import PieceEncoder
 from appliance.models.weights import load_weights, weight_files
 from appliance.platform import resolve_dtype
 from appliance.spec import ModelSpec
@@ -48,7 +50,13 @@ class LoadedModel:
 
     def encode(self, text: str) -> list[int]:
         """Returns the token ids of raw text, with no special tokens added."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._pieces.encode(text)
+
+    @cached_property
+    def _pieces(self) -> PieceEncoder:
+        # long prompts encoded on all cores (models/pieces.py); a slow tokenizer has no backend
+        return PieceEncoder(lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                            getattr(self.tokenizer, "backend_tokenizer", None))
 
     def encode_chat(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Returns the prompt token ids of a chat, rendered by the model's chat template."""

@@ -1,0 +1,99 @@
+"""Long texts encoded in pieces: the same ids as one call, on the real model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tokenizers import Tokenizer
+
+from appliance.models.pieces import PieceEncoder, can_cut, cut
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    return load_tokenizer(model_dir)
+
+
+def whole_of(tokenizer):
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def texts(tokenizer) -> list[str]:
+    """Prompts as agents send them: random tokens decoded, code, chat turns, odd spacing."""
+    rng = random.Random(0)
+    decoded = [tokenizer.decode([rng.randrange(100, 40000) for _ in range(3000)]) for _ in range(3)]
+    code = Path(__file__).read_text() + Path(__file__).parents[2].joinpath("appliance/models/pieces.py").read_text()
+    chat = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": decoded[0]},
+         {"role": "assistant", "content": code}, {"role": "user", "content": "naïve  café 東京 🙂 x\u00a0y 12 345"}],
+        tokenize=False, add_generation_prompt=True)
+    alphabet = "ab 1.\n\t'\u00a0é東🙂<|>"
+    noise = ["".join(rng.choice(alphabet) for _ in range(4000)) for _ in range(3)]
+    return [*decoded, code, chat, *noise]
+
+
+def test_pieces_give_the_ids_of_one_call(tokenizer):
+    whole = whole_of(tokenizer)
+    pieces = PieceEncoder(whole, tokenizer.backend_tokenizer, piece_chars=64, cores=64)
+    assert pieces.in_pieces
+    for text in texts(tokenizer):
+        assert len(cut(text, 64)) > 10
+        assert pieces.encode(text) == whole(text)
+
+
+def test_cuts_fall_before_a_space_between_two_other_characters():
+    text = "one two  three\tfour five\nsix seven"
+    parts = cut(text, 8)
+    assert "".join(parts) == text
+    for part in parts[1:]:
+        assert part[0] == " " and not part[1].isspace()
+    assert parts[1:] and all(not p[-1].isspace() for p in parts[:-1])
+    assert cut("no-safe-space-here  \t ", 4) == ["no-safe-space-here  \t "]
+
+
+def test_a_short_text_is_encoded_whole(tokenizer):
+    calls = []
+    pieces = PieceEncoder(lambda text: calls.append(text) or [7], tokenizer.backend_tokenizer, cores=8)
+    calls.clear()  # the sample checked at construction
+    assert pieces.encode("a short prompt") == [7] and calls == ["a short prompt"]
+
+
+def with_config(tokenizer, change) -> Tokenizer:
+    config = json.loads(tokenizer.backend_tokenizer.to_str())
+    change(config)
+    return Tokenizer.from_str(json.dumps(config))
+
+
+def test_a_prefix_space_or_a_stripping_added_token_keeps_the_text_whole(tokenizer):
+    def prefix_space(config):
+        config["pre_tokenizer"]["pretokenizers"][-1]["add_prefix_space"] = True
+
+    def stripping(config):
+        config["added_tokens"][0]["rstrip"] = True
+
+    def metaspace(config):
+        config["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
+
+    assert can_cut(tokenizer.backend_tokenizer)
+    for change in (prefix_space, stripping, metaspace):
+        backend = with_config(tokenizer, change)
+        assert not can_cut(backend)
+        assert not PieceEncoder(lambda t, b=backend: b.encode(t, add_special_tokens=False).ids, backend).in_pieces
+
+
+def test_a_split_pattern_across_spaces_fails_the_sample_and_keeps_the_text_whole(tokenizer):
+    def across(config):  # a piece that runs from a word into the space and the word after it
+        config["pre_tokenizer"]["pretokenizers"].insert(
+            0, {"type": "Split", "pattern": {"Regex": r"\S+ \S+"}, "behavior": "Isolated", "invert": False})
+
+    backend = with_config(tokenizer, across)
+    whole = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert can_cut(backend)
+    pieces = PieceEncoder(whole, backend, piece_chars=64, cores=64)
+    assert not pieces.in_pieces
+    text = texts(tokenizer)[0]
+    assert pieces.encode(text) == whole(text)
