@@ -114,11 +114,14 @@ case ",$STEPS," in *,ready,*)
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"
   ready --stand-in off --out "$OUT/ready-later-no-stand-in.json" ;; esac
-case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client (one-token chats against a short
-  # one's); two starts, the first filling MLX's kernel cache where the machine is fresh
+case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client: the prompt's encoding, one call
+  # against pieces (bench/encode_pieces.py); then one-token chats against a short one's in HIT_RUNS starts (default 2,
+  # the first filling MLX's kernel cache where the machine is fresh)
   model 8b
+  step python3 bench/encode_pieces.py .gpu/tok --tokens ${HIT_TOKENS:-30000} --out "$OUT/encode-pieces.json" 2>&1 \
+    | grep -v 'Token indices' | cut -c1-400
   for run in $(seq ${HIT_RUNS:-2}); do
-    step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-32000} \
+    step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-30000} \
       --out "$OUT/hit-$run.json" 2>&1 | grep -E '"start_to_ready_s"|"label"|memory_hit_median' | cut -c1-300
   done ;; esac
 case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] STARTLOOP_KERNELS (default
