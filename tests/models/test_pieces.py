@@ -97,3 +97,15 @@ def test_a_split_pattern_across_spaces_fails_the_sample_and_keeps_the_text_whole
     assert not pieces.in_pieces
     text = texts(tokenizer)[0]
     assert pieces.encode(text) == whole(text)
+
+
+def test_a_loaded_model_encodes_a_long_prompt_in_pieces(tokenizer, model_dir):
+    from appliance.models.loaded import LoadedModel
+    from appliance.spec import ModelSpec
+
+    loaded = LoadedModel(spec=ModelSpec(name="tiny", source=str(model_dir)), path=model_dir, model=None,
+                         tokenizer=tokenizer, context_tokens=8192, dtype="float32", load_s=0.0)
+    prompt = texts(tokenizer)[4]  # the chat: special tokens, code, unicode
+    assert len(prompt) > 2 * loaded._pieces.piece_chars and loaded._pieces.in_pieces
+    assert loaded.encode(prompt) == tokenizer.encode(prompt, add_special_tokens=False)
+    assert loaded.encode("hi there") == tokenizer.encode("hi there", add_special_tokens=False)
