@@ -9,9 +9,9 @@ set-up; the warm-up), then streams the chats and prints TTFT and decode ms/token
 each. Then what a memory hit adds to a request at the client: one-token chats (not
 streamed: the reply comes after the first token, whatever text it decodes to) of the long
 prompt again and of a short one, in turn, `--hit-repeats` times each; their medians'
-difference is the hit's cost (tokenizing, looking up and restoring 25K tokens, the tail's
-prefill). `--import-profile` runs the server with `-X importtime` and adds its slowest
-imports.
+difference is the hit's cost (encoding the prompt, looking up and restoring its prefix,
+the tail's prefill). `--import-profile` runs the server with `-X importtime` and adds its
+slowest imports.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
 
@@ -117,12 +117,14 @@ def import_profile(log: str, *, top: int = 15) -> dict:
 
 
 async def one_token(http, url: str, messages: list[dict]) -> dict:
-    """One chat of one token, not streamed: its time at the client and the cached tokens."""
+    """One chat of one token, not streamed: its time at the client and the cached tokens,
+    or its error (a benchmark records failures, it does not stop on them)."""
     started = time.perf_counter()
     reply = await http.post(f"{url}/v1/chat/completions",
                             json={"messages": messages, "max_tokens": 1, "temperature": 0.0})
     elapsed = time.perf_counter() - started
-    reply.raise_for_status()
+    if reply.status_code != 200:
+        return {"s": round(elapsed, 4), "error": f"HTTP {reply.status_code}: {reply.text[:200]}"}
     usage = reply.json()["usage"]
     return {"s": round(elapsed, 4), "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
@@ -222,11 +224,13 @@ dir = "{work / 'cache'}"
                 return runs, hits, shorts
 
         results["requests"], hits, shorts = asyncio.run(go())
-        if hits:
-            hit_s, short_s = (statistics.median(r["s"] for r in rs) for rs in (hits, shorts))
-            results["one_token"] = {"memory_hit": hits, "short": shorts, "memory_hit_median_s": hit_s,
-                                    "short_median_s": short_s, "memory_hit_adds_s": round(hit_s - short_s, 4)}
-            print(json.dumps({k: v for k, v in results["one_token"].items() if k.endswith("_s")}), flush=True)
+        results["one_token"] = {"memory_hit": hits, "short": shorts}
+        answered = [[r["s"] for r in rs if "error" not in r] for rs in (hits, shorts)]
+        if all(answered):
+            hit_s, short_s = (statistics.median(times) for times in answered)
+            results["one_token"].update(memory_hit_median_s=hit_s, short_median_s=short_s,
+                                        memory_hit_adds_s=round(hit_s - short_s, 4))
+        print(json.dumps({k: v for k, v in results["one_token"].items() if k.endswith("_s")}), flush=True)
         # The server's own view of each request (queue, TTFT from submit, prefill rate).
         status = get_json(server.url, "/admin/api/status")
         results["server_side"] = [m.get("recent_requests") for m in status.get("models", [])]
