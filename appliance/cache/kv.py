@@ -124,21 +124,24 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int) -> list[BatchKVCac
     layers, heads = blocks[0].keys.shape[:2]
     room = -num_tokens % BatchKVCache.step or BatchKVCache.step
 
-    def layer_of(arrays: list[mx.array], layer: int) -> mx.array:
+    def by_layer(arrays: list[mx.array]) -> list[mx.array]:
+        # each block split into its layers in one call, not sliced once a layer: a 31K
+        # prompt of an 8B model is 61 blocks of 32 layers (54 -> 37 ms of ops on a CPU)
         parts, left = [], num_tokens
         for a in arrays:
-            parts.append(a[layer, :, :left])
-            left -= parts[-1].shape[1]
+            if left < a.shape[2]:
+                a = a[:, :, :left]
+            parts.append(mx.split(a, layers, axis=0))
+            left -= a.shape[2]
             if left <= 0:
                 break
-        pad = mx.broadcast_to(mx.zeros((), dtype=arrays[0].dtype), (heads, room, arrays[0].shape[3]))
-        return mx.concatenate([*parts, pad], axis=1)[None]
+        pad = mx.broadcast_to(mx.zeros((), dtype=arrays[0].dtype), (1, heads, room, arrays[0].shape[3]))
+        return [mx.concatenate([*(p[layer] for p in parts), pad], axis=2) for layer in range(layers)]
 
     caches = []
-    for layer in range(layers):
+    for keys, values in zip(by_layer([b.keys for b in blocks]), by_layer([b.values for b in blocks]), strict=True):
         c = BatchCache(left_padding=[0])
-        c.keys = layer_of([b.keys for b in blocks], layer)
-        c.values = layer_of([b.values for b in blocks], layer)
+        c.keys, c.values = keys, values
         c.offset = mx.array([num_tokens])
         set_size(c, num_tokens)
         caches.append(c)
