@@ -5,9 +5,10 @@ mode). An H100 server once died at start, right after the native kernels' self-t
 finished beside the engine's warm-up: `terminate called ... cudaStreamEndCapture ...
 operation failed due to a previous error during capture`. A synchronizing CUDA call
 invalidates a capture in progress (from another thread of the same device too, by one
-test: docs/GPU.md); MLX then throws from a destructor and the process aborts. This runs an engine-like thread (8-row bf16 matmuls
-of the 8B shape, MLX's own, each pass evaluated) for `--seconds`, beside one `--beside`
-job on another thread, each job in a process of its own so that an abort ends only it:
+test: docs/GPU.md); MLX then throws from a destructor and the process aborts. This runs
+an engine-like thread (8-row bf16 matmuls of the 8B shape, MLX's own, each pass
+evaluated) for `--seconds`, beside one `--beside` job on another thread, each job in a
+process of its own so that an abort ends only it:
 
   none      nothing beside (the control)
   pin       page-locked host slots made (64 MiB each, kept): what `kv-pin-start` does
@@ -142,7 +143,8 @@ def main() -> None:
                 done = subprocess.CompletedProcess(e.cmd, None, *text)
             counts = next((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), {})
             err = [line for line in done.stderr.splitlines() if line.strip()]
-            print(json.dumps({"beside": name, "rc": done.returncode, **counts, "s": round(time.perf_counter() - started, 1),
+            took_s = round(time.perf_counter() - started, 1)
+            print(json.dumps({"beside": name, "rc": done.returncode, **counts, "s": took_s,
                               "stderr": err[-1][:200] if err else ""}), flush=True)
 
 

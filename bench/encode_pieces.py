@@ -41,8 +41,8 @@ def main() -> int:
     content = tokenizer.decode([rng.randrange(100, 40000) for _ in range(args.tokens)])
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
-    whole = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
-    pieces = PieceEncoder(whole, tokenizer.backend_tokenizer)
+    pieces = PieceEncoder.of(tokenizer)  # as LoadedModel.encode builds it
+    whole = pieces.whole
     times: dict[str, list[float]] = {"whole": [], "pieces": []}
     for _ in range(args.repeats):  # in turn, so that a slow stretch meets both
         for name, encode in (("whole", whole), ("pieces", pieces.encode)):

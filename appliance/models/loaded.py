@@ -54,9 +54,7 @@ class LoadedModel:
 
     @cached_property
     def _pieces(self) -> PieceEncoder:
-        # long prompts encoded on all cores (models/pieces.py); a slow tokenizer has no backend
-        return PieceEncoder(lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                            getattr(self.tokenizer, "backend_tokenizer", None))
+        return PieceEncoder.of(self.tokenizer)  # long prompts encoded on all cores (models/pieces.py)
 
     def encode_chat(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Returns the prompt token ids of a chat, rendered by the model's chat template."""

@@ -26,6 +26,7 @@ from typing import Any
 
 PIECE_CHARS = 8192  # the shortest piece worth a core (~2K tokens, a few ms)
 SAFE_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Split"}
+SAFE_SPACE = re.compile(r"(?<=\S) (?=\S)")  # a space with a non-whitespace character on each side
 SAMPLE = ("def f(x):\n    return x  + 1  # a comment\n\n\tclass A: pass\n"
           "Hello, world!  It's 2026-12-07; 3.14159 <|im_start|> don't   stop\r\n"
           "naïve café 東京 🙂 a.b ,c ;d 'll 're x  y   z\n") * 4
@@ -41,6 +42,13 @@ class PieceEncoder:
         self.piece_chars = piece_chars
         self.cores = cores or os.cpu_count() or 1
         self.in_pieces = can_cut(backend) and self._encode_pieces(cut(SAMPLE, len(SAMPLE) // 40)) == whole(SAMPLE)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> PieceEncoder:
+        """Returns the encoder of an mlx-lm or HF tokenizer: one call is its `encode`
+        without special tokens; a slow tokenizer (no `backend_tokenizer`) is always whole."""
+        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                   getattr(tokenizer, "backend_tokenizer", None))
 
     def encode(self, text: str) -> list[int]:
         """Returns the token ids of `text` (no special tokens added)."""
@@ -91,5 +99,3 @@ def safe_space(text: str, start: int) -> int | None:
     found = SAFE_SPACE.search(text, max(start, 1))
     return found.start() if found else None
 
-
-SAFE_SPACE = re.compile(r"(?<=\S) (?=\S)")

@@ -18,15 +18,12 @@ def tokenizer(model_dir: Path):
     return load_tokenizer(model_dir)
 
 
-def whole_of(tokenizer):
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
-
-
 def texts(tokenizer) -> list[str]:
     """Prompts as agents send them: random tokens decoded, code, chat turns, odd spacing."""
     rng = random.Random(0)
     decoded = [tokenizer.decode([rng.randrange(100, 40000) for _ in range(3000)]) for _ in range(3)]
-    code = Path(__file__).read_text() + Path(__file__).parents[2].joinpath("appliance/models/pieces.py").read_text()
+    module = Path(__file__).parents[2] / "appliance/models/pieces.py"
+    code = Path(__file__).read_text() + module.read_text()
     chat = tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": decoded[0]},
          {"role": "assistant", "content": code}, {"role": "user", "content": "naïve  café 東京 🙂 x\u00a0y 12 345"}],
@@ -37,12 +34,12 @@ def texts(tokenizer) -> list[str]:
 
 
 def test_pieces_give_the_ids_of_one_call(tokenizer):
-    whole = whole_of(tokenizer)
-    pieces = PieceEncoder(whole, tokenizer.backend_tokenizer, piece_chars=64, cores=64)
+    pieces = PieceEncoder.of(tokenizer)
+    pieces.piece_chars, pieces.cores = 64, 64  # many cuts in every text
     assert pieces.in_pieces
     for text in texts(tokenizer):
         assert len(cut(text, 64)) > 10
-        assert pieces.encode(text) == whole(text)
+        assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_cuts_fall_before_a_space_between_two_other_characters():
