@@ -202,6 +202,24 @@ def test_build_batch_cache_truncates_to_num_tokens(num_tokens):
         np.testing.assert_array_equal(v, np.array(orig.values[:, :, :num_tokens]))
 
 
+@pytest.mark.parametrize("run_layers", [1, 2, LAYERS])
+@pytest.mark.parametrize("num_tokens", [5, len(TOKENS)])
+def test_gathering_runs_of_layers_first_builds_the_same_cache(run_layers, num_tokens):
+    # the CUDA path: runs of layers gathered from every block at once, then copied out
+    source = fake_cache(len(TOKENS))
+    blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
+    layer_bytes = sum(b.keys[:, :, :num_tokens].nbytes for b in blocks) // LAYERS
+    plain = build_batch_cache(blocks, num_tokens)
+    gathered = build_batch_cache(blocks, num_tokens, gather_bytes=run_layers * layer_bytes)
+    for g, p in zip(gathered, plain, strict=True):
+        assert g.keys.shape == p.keys.shape and g.offset.tolist() == p.offset.tolist() and g.size() == p.size()
+        for a, b in zip(contents(g), contents(p)):
+            np.testing.assert_array_equal(a, b)
+    k, _ = gathered[0].update_and_fetch(mx.ones((1, HEADS, 1, DK)), mx.ones((1, HEADS, 1, DV)))
+    np.testing.assert_array_equal(np.array(k[:, :, -1]), np.ones((1, HEADS, DK)))
+    np.testing.assert_array_equal(np.array(gathered[1].keys), np.array(plain[1].keys))  # its own buffer
+
+
 def test_built_cache_extends_in_place_without_touching_the_blocks():
     source = fake_cache(len(TOKENS))
     blocks = cut_blocks(source, TOKENS, SPACE, skip_tokens=0, is_known=never)
