@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop,hit
+#                                  # matmulab,spypass,capture,startloop,hit,build
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -114,6 +114,10 @@ case ",$STEPS," in *,ready,*)
   ready --out "$OUT/ready-default.json"
   ready --import-profile --out "$OUT/ready-later.json"
   ready --stand-in off --out "$OUT/ready-later-no-stand-in.json" ;; esac
+case ",$STEPS," in *,build,*)  # item 3: a restored prefix's batch cache built per layer against runs of layers
+  for shape in ${BUILD_SHAPES:-8b}; do
+    step python3 bench/build_cache.py --shape "$shape" --tokens ${BUILD_TOKENS:-31232} --out "$OUT/build-cache-$shape.json"
+  done ;; esac
 case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client: the prompt's encoding, one call
   # against pieces (bench/encode_pieces.py); then one-token chats against a short one's in HIT_RUNS starts (default 2,
   # the first filling MLX's kernel cache where the machine is fresh)
