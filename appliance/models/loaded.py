@@ -54,7 +54,7 @@ class LoadedModel:
 
     @cached_property
     def _pieces(self) -> PieceEncoder:
-        return PieceEncoder.of(self.tokenizer)  # long prompts encoded on all cores (models/pieces.py)
+        return PieceEncoder.of(self.tokenizer)  # long prompts in pieces, a resent one reusing them (models/pieces.py)
 
     def encode_chat(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Returns the prompt token ids of a chat, rendered by the model's chat template."""

@@ -1,9 +1,14 @@
-"""Long texts encoded in pieces on all cores, to the same token ids as one call.
+"""Long texts encoded in pieces, to the same token ids as one call, reusing the pieces of
+a recent text that the new one starts with.
 
-HF tokenizers encodes one text on one core: a coding agent's 31K-token prompt took 80 ms
-(SmolLM2's tokenizer), most of what a 32K memory hit adds to a request at the client
-(BENCHMARKS.md). `encode_batch` spreads its texts over all cores, so a long text is cut
-where the tokenizer would split it anyway, and the pieces' ids, joined, are the text's.
+HF tokenizers encodes a 31K-token prompt in 80-110 ms (SmolLM2's tokenizer, one core),
+most of what a 32K memory hit adds at the client (BENCHMARKS.md). A coding agent resends
+the same context each turn with a little more at its end: so a long text is cut into
+pieces where the tokenizer would split it anyway, each piece's ids are kept for the
+MEMO_TEXTS most recent texts, and a text that starts with a kept text's pieces encodes
+only what follows them. The pieces are encoded one after another, on the calling thread:
+`encode_batch` on all cores made a hit slower in the server (0.36 s against 0.18 s on an
+H100 host), whose one malloc arena (platform.MALLOC_TUNABLES) its threads contend for.
 
 Where a cut is safe: at a space between two characters that are not whitespace, for a
 tokenizer with no normalizer (or NFC, which composes within a character's marks), a
@@ -19,29 +24,36 @@ checked when it is first used.
 from __future__ import annotations
 
 import json
-import os
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
-PIECE_CHARS = 8192  # the shortest piece worth a core (~2K tokens, a few ms)
+PIECE_CHARS = 4096  # ~1K tokens: the most of a resent text encoded again before its new part
+MEMO_TEXTS = 16  # recent long texts whose pieces are kept (~1.5 MB each at 31K tokens)
 SAFE_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Split"}
 SAFE_SPACE = re.compile(r"(?<=\S) (?=\S)")  # a space with a non-whitespace character on each side
 SAMPLE = ("def f(x):\n    return x  + 1  # a comment\n\n\tclass A: pass\n"
           "Hello, world!  It's 2026-12-07; 3.14159 <|im_start|> don't   stop\r\n"
           "naïve café 東京 🙂 a.b ,c ;d 'll 're x  y   z\n") * 4
 
+Piece = tuple[str, list[int]]  # a piece of text and its ids
+
 
 class PieceEncoder:
-    """Encodes text as `whole` does (one call of the tokenizer), long texts in pieces."""
+    """Encodes text as `whole` does (one call of the tokenizer), long texts in pieces,
+    reusing the pieces of a recent text it starts with."""
 
     def __init__(self, whole: Callable[[str], list[int]], backend: Any, *, piece_chars: int = PIECE_CHARS,
-                 cores: int | None = None):
+                 memo_texts: int = MEMO_TEXTS):
         self.whole = whole
         self.backend = backend  # the tokenizers.Tokenizer behind `whole`
         self.piece_chars = piece_chars
-        self.cores = cores or os.cpu_count() or 1
-        self.in_pieces = can_cut(backend) and self._encode_pieces(cut(SAMPLE, len(SAMPLE) // 40)) == whole(SAMPLE)
+        self.memo_texts = memo_texts
+        self.memo: list[list[Piece]] = []  # the most recent text first
+        self._lock = threading.Lock()
+        self.in_pieces = can_cut(backend) and [i for p in cut(SAMPLE, len(SAMPLE) // 40)
+                                               for i in self._ids(p)] == whole(SAMPLE)
 
     @classmethod
     def of(cls, tokenizer: Any) -> PieceEncoder:
@@ -52,11 +64,36 @@ class PieceEncoder:
 
     def encode(self, text: str) -> list[int]:
         """Returns the token ids of `text` (no special tokens added)."""
-        num_pieces = min(self.cores, len(text) // self.piece_chars) if self.in_pieces else 1
-        return self._encode_pieces(cut(text, num_pieces)) if num_pieces > 1 else self.whole(text)
+        if not self.in_pieces or len(text) < 2 * self.piece_chars:
+            return self.whole(text)
+        with self._lock:
+            kept, older = self._kept(text)
+        done = sum(len(piece) for piece, _ in kept)
+        rest = text[done:]
+        pieces = kept + [(piece, self._ids(piece)) for piece in cut(rest, max(1, len(rest) // self.piece_chars))]
+        with self._lock:  # the texts this one starts with are dropped: its pieces hold theirs
+            self.memo = [pieces, *(m for m in self.memo if not any(m is o for o in older))][:self.memo_texts]
+        return [i for _, ids in pieces for i in ids]
 
-    def _encode_pieces(self, pieces: list[str]) -> list[int]:
-        return [i for e in self.backend.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
+    def _kept(self, text: str) -> tuple[list[Piece], list[list[Piece]]]:
+        """Returns the longest run of a kept text's first pieces that `text` starts with,
+        ending before a safe space of `text`; and the kept texts `text` starts with."""
+        best: list[Piece] = []
+        best_chars, older = 0, []
+        for pieces in self.memo:
+            at, n = 0, 0
+            while n < len(pieces) and text.startswith(pieces[n][0], at):
+                at, n = at + len(pieces[n][0]), n + 1
+            if n == len(pieces):
+                older.append(pieces)
+            if n and not SAFE_SPACE.match(text, at):  # a matched next piece would start with one
+                at, n = at - len(pieces[n - 1][0]), n - 1
+            if at > best_chars:
+                best, best_chars = pieces[:n], at
+        return best, older
+
+    def _ids(self, piece: str) -> list[int]:
+        return self.backend.encode(piece, add_special_tokens=False).ids
 
 
 def can_cut(backend: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Long texts encoded in pieces: the same ids as one call, on the real model's tokenizer."""
+"""Long texts encoded in pieces, reusing a recent text's: the same ids as one call, on the real
+model's tokenizer."""
 
 from __future__ import annotations
 
@@ -35,11 +36,70 @@ def texts(tokenizer) -> list[str]:
 
 def test_pieces_give_the_ids_of_one_call(tokenizer):
     pieces = PieceEncoder.of(tokenizer)
-    pieces.piece_chars, pieces.cores = 64, 64  # many cuts in every text
+    pieces.piece_chars = 64  # many cuts in every text
     assert pieces.in_pieces
     for text in texts(tokenizer):
         assert len(cut(text, 64)) > 10
         assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+class Counting:
+    """A tokenizers.Tokenizer that counts the characters it is asked to encode."""
+
+    def __init__(self, backend):
+        self.backend, self.chars = backend, 0
+
+    def encode(self, text, **kwargs):
+        self.chars += len(text)
+        return self.backend.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def counted(tokenizer, **options) -> tuple[PieceEncoder, Counting]:
+    backend = Counting(tokenizer.backend_tokenizer)
+    pieces = PieceEncoder(lambda text: tokenizer.encode(text, add_special_tokens=False), backend, **options)
+    assert pieces.in_pieces
+    backend.chars = 0
+    return pieces, backend
+
+
+def test_a_resent_text_encodes_only_what_follows_a_kept_texts_pieces(tokenizer):
+    pieces, backend = counted(tokenizer, piece_chars=256)
+    chat = texts(tokenizer)[4]
+    assert pieces.encode(chat) == tokenizer.encode(chat, add_special_tokens=False)
+    assert backend.chars == len(chat)
+    for turn in (chat, chat + "Thanks. And now?<|im_end|>\n<|im_start|>assistant\n"):
+        backend.chars = 0
+        assert pieces.encode(turn) == tokenizer.encode(turn, add_special_tokens=False)
+        assert backend.chars <= 3 * 256 + len(turn) - len(chat)  # the last kept piece at most, and the new part
+        assert len(pieces.memo) == 1  # the text it extends is dropped: its pieces are the new one's
+
+
+def test_an_edited_or_unsafely_continued_text_reuses_only_what_still_cuts_the_same(tokenizer):
+    pieces, backend = counted(tokenizer, piece_chars=256)
+    chat = texts(tokenizer)[4]
+    pieces.encode(chat)
+    middle = len(chat) // 2
+    for edited in (chat[:middle] + "X" + chat[middle + 1:],  # one character changed
+                   chat.rstrip() + "tail glued to the last word",  # the old end is no safe cut
+                   "A" + chat[1:]):  # nothing in common
+        backend.chars = 0
+        assert pieces.encode(edited) == tokenizer.encode(edited, add_special_tokens=False)
+        assert backend.chars <= len(edited)
+
+
+def test_random_prefixes_and_tails_in_any_order_give_the_ids_of_one_call(tokenizer):
+    rng = random.Random(3)
+    pieces, _ = counted(tokenizer, piece_chars=64, memo_texts=4)
+    alphabet = "ab 1.\n\t'\u00a0é東🙂<|>"
+    sources = texts(tokenizer)
+    for _ in range(40):
+        source = rng.choice(sources)
+        text = source[:rng.randrange(len(source))] + "".join(rng.choice(alphabet) for _ in range(rng.randrange(50)))
+        assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+        assert len(pieces.memo) <= 4
 
 
 def test_cuts_fall_before_a_space_between_two_other_characters():
@@ -54,7 +114,7 @@ def test_cuts_fall_before_a_space_between_two_other_characters():
 
 def test_a_short_text_is_encoded_whole(tokenizer):
     calls = []
-    pieces = PieceEncoder(lambda text: calls.append(text) or [7], tokenizer.backend_tokenizer, cores=8)
+    pieces = PieceEncoder(lambda text: calls.append(text) or [7], tokenizer.backend_tokenizer)
     calls.clear()  # the sample checked at construction
     assert pieces.encode("a short prompt") == [7] and calls == ["a short prompt"]
 
@@ -90,7 +150,7 @@ def test_a_split_pattern_across_spaces_fails_the_sample_and_keeps_the_text_whole
     backend = with_config(tokenizer, across)
     whole = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
     assert can_cut(backend)
-    pieces = PieceEncoder(whole, backend, piece_chars=64, cores=64)
+    pieces = PieceEncoder(whole, backend, piece_chars=64)
     assert not pieces.in_pieces
     text = texts(tokenizer)[0]
     assert pieces.encode(text) == whole(text)
