@@ -125,8 +125,12 @@ case ",$STEPS," in *,hit,*)  # item 3: what a 32K memory hit adds at the client:
   step python3 bench/encode_pieces.py .gpu/tok --tokens ${HIT_TOKENS:-30000} --out "$OUT/encode-pieces.json" 2>&1 \
     | grep -v 'Token indices' | cut -c1-400
   for run in $(seq ${HIT_RUNS:-2}); do
-    step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-30000} \
-      --out "$OUT/hit-$run.json" 2>&1 | grep -E '"start_to_ready_s"|"label"|memory_hit_median' | cut -c1-300
+    for code in ${HIT_CODES:-.}; do  # HIT_CODES: checkouts whose servers take turns (an A/B), e.g. ". .ab/OLD"
+      echo "run $run, code $code"
+      step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens ${HIT_TOKENS:-30000} \
+        --code "$code" --out "$OUT/hit-$run$([ "$code" = . ] || echo "-$(basename "$code")").json" 2>&1 \
+        | grep -E '"start_to_ready_s"|"label"|memory_hit_median' | cut -c1-300
+    done
   done ;; esac
 case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] STARTLOOP_KERNELS (default
   # small_matmul = "generic", the setting a server once aborted in at start: docs/GPU.md, "Work beside a stream

@@ -14,6 +14,7 @@ the tail's prefill). `--import-profile` runs the server with `-X importtime` and
 slowest imports.
 
     python bench/start_to_ready.py MODEL_DIR --profile nvidia-h200 --tokens 25000
+    python bench/start_to_ready.py MODEL_DIR --code /path/to/other/checkout  # another commit's server
 
 Kernel caches: by default the server shares MLX's (/tmp/mlx) with the machine's other
 MLX processes (bench/common.server_env); `--fresh-kernel-caches` gives it empty ones (a
@@ -41,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import HOST, client, free_port, get_json, omlx_process, stream_chat, with_profiles  # noqa: E402
+from bench.common import HOST, REPO, client, free_port, get_json, omlx_process, stream_chat, with_profiles  # noqa: E402
 
 
 def long_text(model_dir: Path, num_tokens: int, seed: int) -> str:
@@ -149,6 +150,8 @@ def main() -> int:
                         help="JIT caches where omlx serve keeps them: in its cache dir (under --work)")
     parser.add_argument("--kernels", default="", metavar="LINE",
                         help='a line of the config\'s [kernels] table, e.g. small_matmul = "generic"')
+    parser.add_argument("--code", type=Path, default=None,
+                        help="another checkout whose server to start (default: this one), for A/Bs")
     parser.add_argument("--work", type=Path, default=None,
                         help="the dir for the config and the cache (default: a fresh one); reused, a later start")
     args = parser.parse_args()
@@ -157,7 +160,8 @@ def main() -> int:
     port = free_port()
     profile = f'profile = "{args.profile}"\n' if args.profile else ""
     config = work / "omlx.toml"
-    with_profiles(work)
+    code = (args.code or REPO).resolve()
+    with_profiles(work, code)
     config.write_text(f"""{profile}
 [server]
 host = "{HOST}"
@@ -176,7 +180,7 @@ dir = "{work / 'cache'}"
 {args.kernels}
 """)
     log_path = (args.out.parent if args.out else work) / "omlx_server.log"
-    server = omlx_process(config, port, log_path)
+    server = omlx_process(config, port, log_path, cwd=code)
     if args.import_profile:
         server.env = {**server.env, "PYTHONPROFILEIMPORTTIME": "1"}
     if args.stand_in:
