@@ -149,7 +149,10 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int, *,
             # prompt of an 8B model is 61 blocks of 32 layers (54 -> 37 ms of ops on a CPU)
             split = [mx.split(p, layers, axis=0) for p in parts]
             return [mx.concatenate([*(s[layer] for s in split), pad], axis=2) for layer in range(layers)]
-        run = max(1, min(layers, gather_bytes * layers // max(1, sum(p.nbytes for p in parts))))
+        layer_size = sum(p.size for p in parts) // layers
+        # at most gather_bytes, and under 2**31 elements: MLX CUDA's copies index with int32
+        # (a 70B prefix's 80 layers gathered at once came back wrong)
+        run = max(1, min(layers, gather_bytes // max(1, layer_size * parts[0].itemsize), (2**31 - 1) // layer_size))
         out: list[mx.array] = []
         for first in range(0, layers, run):
             gathered = mx.concatenate([p[first:first + run] for p in parts], axis=2)
