@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_model import SHAPES  # noqa: E402
+from bench.gpu_model import SHAPES, random_blocks  # noqa: E402
 
 WAYS = {"per layer": 0, "runs of 256 MiB": 256 << 20, "runs of 1 GiB": 1 << 30, "one run": 1 << 50}
 
@@ -37,19 +37,11 @@ def main() -> int:
 
     import mlx.core as mx
 
-    from appliance.cache.kv import KVBlock, build_batch_cache
+    from appliance.cache.kv import build_batch_cache
     from appliance.kernels.registry import backend
 
-    layers, hidden, heads, kv_heads, _ = SHAPES[args.shape]
-    dim = hidden // heads
-    b = args.block_tokens
-    sizes = [b] * (args.tokens // b) + ([args.tokens % b] if args.tokens % b else [])
-    mx.random.seed(0)
-    blocks = []
-    for i, n in enumerate(sizes):
-        k, v = (mx.random.normal((layers, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2))
-        mx.eval(k, v)
-        blocks.append(KVBlock(i.to_bytes(8, "little") + b"k" * 24, b"r" * 32, "bench", tuple(range(n)), k, v))
+    blocks = random_blocks(args.shape, args.tokens, args.block_tokens)
+    layers = SHAPES[args.shape][0]
     kv_bytes = sum(blk.nbytes for blk in blocks)
     print(f"{len(blocks)} blocks of {layers} layers, {kv_bytes / 1e9:.2f} GB of KV, backend {backend()}", flush=True)
 

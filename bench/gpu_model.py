@@ -122,6 +122,25 @@ def sizes(shape: str, *, bits: int | None, float_bytes: int = 2) -> dict:
             "model": int(per_weight * matrices) + float_bytes * norms}
 
 
+def random_blocks(shape: str, tokens: int, block_tokens: int = 512) -> list:
+    """Returns `tokens` tokens of memory-tier KV blocks of `shape` (cache/kv.KVBlock, bf16,
+    random values, evaluated), as a prompt's restore finds them."""
+    import mlx.core as mx
+
+    from appliance.cache.kv import KVBlock
+
+    layers, hidden, heads, kv_heads, _ = SHAPES[shape]
+    dim = hidden // heads
+    sizes = [block_tokens] * (tokens // block_tokens) + ([tokens % block_tokens] if tokens % block_tokens else [])
+    mx.random.seed(0)
+    blocks = []
+    for i, n in enumerate(sizes):
+        k, v = (mx.random.normal((layers, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2))
+        mx.eval(k, v)
+        blocks.append(KVBlock(i.to_bytes(8, "little") + b"k" * 24, b"r" * 32, "bench", tuple(range(n)), k, v))
+    return blocks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_model import SHAPES  # noqa: E402
+from bench.gpu_model import SHAPES, random_blocks  # noqa: E402
 
 
 def main() -> int:
@@ -46,17 +46,9 @@ def main() -> int:
     from appliance.cache.kv import KVBlock, build_batch_cache, from_bytes, to_bytes
     from appliance.kernels.registry import backend
 
-    layers, hidden, heads, kv_heads, _ = SHAPES[args.shape]
-    dim = hidden // heads
+    layers = SHAPES[args.shape][0]
     b = args.block_tokens
-    sizes = [b] * (args.tokens // b) + ([args.tokens % b] if args.tokens % b else [])
-    mx.random.seed(0)
-    blocks = []
-    for i, n in enumerate(sizes):
-        k = mx.random.normal((layers, kv_heads, n, dim)).astype(mx.bfloat16)
-        v = mx.random.normal((layers, kv_heads, n, dim)).astype(mx.bfloat16)
-        mx.eval(k, v)
-        blocks.append(KVBlock(i.to_bytes(8, "little") + b"k" * 24, b"r" * 32, "bench", tuple(range(n)), k, v))
+    blocks = random_blocks(args.shape, args.tokens, b)
     kv_bytes = sum(blk.nbytes for blk in blocks)
     results: dict = {"shape": args.shape, "tokens": args.tokens, "block_tokens": b, "kv_gb": round(kv_bytes / 1e9, 3),
                      "backend": backend(), "paths": {}}
