@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
+from appliance.cache.keys import DEFAULT_TENANT
 from appliance.chat.grammar import Constraint, compile_constraint, format_grammar, special_token
 from appliance.chat.reasoning import ReasoningParser, opens_thinking, template_thinks
 from appliance.chat.streaming import OutputParser
@@ -91,10 +92,11 @@ class FirstCallOnly(OutputParser):
 CALL_EVENTS = (ToolCallStart, ToolCallDelta, ToolCallEnd)
 
 
-def prepare(loaded: LoadedModel, turn: Turn) -> Prepared:
+def prepare(loaded: LoadedModel, turn: Turn, *, tenant: str = DEFAULT_TENANT) -> Prepared:
     """Returns the turn's prompt tokens, rendered by the model's chat template, and how to
     read its answer. Raises PrepareError (a ValueError) when the template rejects the
-    conversation or a schema cannot be compiled."""
+    conversation or a schema cannot be compiled. `tenant`: the request's KV tenant, whose
+    recent prompts' pieces the encoding may reuse (models/pieces.py)."""
     template = chat_template(loaded, tools=bool(turn.tools))
     variables = template_variables(template)
     fmt = tool_format(template)
@@ -122,7 +124,7 @@ def prepare(loaded: LoadedModel, turn: Turn) -> Prepared:
                                param="tools" if forced else "response_format") from None
     calls = bool(turn.tools) and turn.tool_choice != "none"
     reasoning = template_thinks(template) and grammar is None
-    return Prepared(prompt_tokens=tuple(loaded.encode(text)), constraint=constraint,
+    return Prepared(prompt_tokens=tuple(loaded.encode(text, tenant=tenant)), constraint=constraint,
                     tool_format=fmt if calls else None, tools=turn.tools,
                     reasoning=reasoning, reasoning_open=reasoning and opens_thinking(text),
                     parallel_tool_calls=turn.parallel_tool_calls)

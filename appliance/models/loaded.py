@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from appliance.cache.keys import DEFAULT_TENANT
 from appliance.models import preload
 from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
@@ -48,9 +49,10 @@ class LoadedModel:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.tokenizer.eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        """Returns the token ids of raw text, with no special tokens added."""
-        return self._pieces.encode(text)
+    def encode(self, text: str, *, tenant: str = DEFAULT_TENANT) -> list[int]:
+        """Returns the token ids of raw text, with no special tokens added; a long text
+        reuses the pieces of `tenant`'s recent texts it starts with (models/pieces.py)."""
+        return self._pieces.encode(text, tenant)
 
     @cached_property
     def _pieces(self) -> PieceEncoder:

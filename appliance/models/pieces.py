@@ -6,7 +6,9 @@ most of what a 32K memory hit adds at the client (BENCHMARKS.md). A coding agent
 the same context each turn with a little more at its end: so a long text is cut into
 pieces where the tokenizer would split it anyway, each piece's ids are kept for the
 MEMO_TEXTS most recent texts, and a text that starts with a kept text's pieces encodes
-only what follows them. The pieces are encoded one after another, on the calling thread:
+only what follows them. A text reuses only pieces kept for the same owner (the request's
+KV tenant): how fast a prompt is encoded must not tell one tenant what another sent,
+as the KV cache's tenants keep its hits apart. The pieces are encoded one after another, on the calling thread:
 `encode_batch` on all cores made a hit slower in the server (0.36 s against 0.18 s on an
 H100 host), whose one malloc arena (platform.MALLOC_TUNABLES) its threads contend for.
 
@@ -50,7 +52,7 @@ class PieceEncoder:
         self.backend = backend  # the tokenizers.Tokenizer behind `whole`
         self.piece_chars = piece_chars
         self.memo_texts = memo_texts
-        self.memo: list[list[Piece]] = []  # the most recent text first
+        self.memo: list[tuple[str, list[Piece]]] = []  # (owner, pieces), the most recent text first
         self._lock = threading.Lock()
         self.in_pieces = can_cut(backend) and [i for p in cut(SAMPLE, len(SAMPLE) // 40)
                                                for i in self._ids(p)] == whole(SAMPLE)
@@ -62,25 +64,28 @@ class PieceEncoder:
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False),
                    getattr(tokenizer, "backend_tokenizer", None))
 
-    def encode(self, text: str) -> list[int]:
-        """Returns the token ids of `text` (no special tokens added)."""
+    def encode(self, text: str, owner: str = "") -> list[int]:
+        """Returns the token ids of `text` (no special tokens added), reusing only pieces
+        kept for `owner`."""
         if not self.in_pieces or len(text) < 2 * self.piece_chars:
             return self.whole(text)
         with self._lock:
-            kept, older = self._kept(text)
+            kept, older = self._kept(text, owner)
         done = sum(len(piece) for piece, _ in kept)
         rest = text[done:]
         pieces = kept + [(piece, self._ids(piece)) for piece in cut(rest, max(1, len(rest) // self.piece_chars))]
         with self._lock:  # the texts this one starts with are dropped: its pieces hold theirs
-            self.memo = [pieces, *(m for m in self.memo if not any(m is o for o in older))][:self.memo_texts]
+            self.memo = [(owner, pieces), *(m for m in self.memo if not any(m[1] is o for o in older))]
+            del self.memo[self.memo_texts:]
         return [i for _, ids in pieces for i in ids]
 
-    def _kept(self, text: str) -> tuple[list[Piece], list[list[Piece]]]:
-        """Returns the longest run of a kept text's first pieces that `text` starts with,
-        ending before a safe space of `text`; and the kept texts `text` starts with."""
+    def _kept(self, text: str, owner: str) -> tuple[list[Piece], list[list[Piece]]]:
+        """Returns the longest run of `owner`'s kept text's first pieces that `text` starts
+        with, ending before a safe space of `text`; and `owner`'s kept texts `text` starts
+        with."""
         best: list[Piece] = []
         best_chars, older = 0, []
-        for pieces in self.memo:
+        for pieces in (pieces for kept_for, pieces in self.memo if kept_for == owner):
             at, n = 0, 0
             while n < len(pieces) and text.startswith(pieces[n][0], at):
                 at, n = at + len(pieces[n][0]), n + 1

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.cache.model_cache import request_tenant
 from appliance.chat.turn import (
     TEXT,
     Event,
@@ -340,7 +341,7 @@ async def stream(writer: MessageWriter) -> AsyncIterator[bytes]:
 async def count_tokens(request: Request) -> Response:
     params: CountParams = parse_body(await request.body(), CountParams)
     engine = await appliance_of(request).engine(params.model)
-    prepared = prepare_turn(engine.loaded, params.turn())
+    prepared = prepare_turn(engine.loaded, params.turn(), tenant=request_tenant(None))
     return JSONResponse({"input_tokens": len(prepared.prompt_tokens)})
 
 

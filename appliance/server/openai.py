@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.cache.model_cache import request_tenant
 from appliance.chat.grammar import grammar_tokenizer
 from appliance.chat.prepare import PrepareError, prepare
 from appliance.engine.engine import Engine, RequestHandle
@@ -49,7 +50,7 @@ async def chat_completions(request: Request) -> Response:
         # tokenizer (about a second), off the event loop.
         await asyncio.to_thread(grammar_tokenizer, loaded)
     try:
-        prepared = prepare(loaded, turn)
+        prepared = prepare(loaded, turn, tenant=request_tenant(params.cache_salt))
     except PrepareError as e:  # a template that rejects the conversation, a schema that won't compile
         raise ApiError(400, str(e), param=e.param) from None
     top = (params.top_logprobs or 0) if params.logprobs else None

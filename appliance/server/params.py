@@ -285,7 +285,7 @@ def completion_prompt(params: CompletionParams, loaded: LoadedModel) -> list[int
             raise bad_request("only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return loaded.encode(prompt)
+        return loaded.encode(prompt, tenant=request_tenant(params.cache_salt))
     vocab = len(loaded.tokenizer)
     if any(not 0 <= t < vocab for t in prompt):
         raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")

@@ -37,10 +37,11 @@ class PromptTooLong(Exception):
         return self.context_tokens - 1
 
 
-def prepare_turn(loaded: LoadedModel, turn: Turn) -> Prepared:
-    """Returns the prepared turn; a template that rejects the conversation is a 400."""
+def prepare_turn(loaded: LoadedModel, turn: Turn, *, tenant: str) -> Prepared:
+    """Returns the prepared turn for a request of KV tenant `tenant`; a template that
+    rejects the conversation is a 400."""
     try:
-        return prepare(loaded, turn)
+        return prepare(loaded, turn, tenant=tenant)
     except PrepareError as e:
         raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # roles, order, or content the template refuses
@@ -54,7 +55,8 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
     None means the model's default_max_tokens, or all the room left with `fill_context`.
     Raises PromptTooLong when no room is left."""
     loaded = engine.loaded
-    prepared = prepare_turn(loaded, turn)
+    tenant = request_tenant(cache_salt)
+    prepared = prepare_turn(loaded, turn, tenant=tenant)
     prompt = prepared.prompt_tokens
     if not prompt:
         raise bad_request("the prompt is empty", param="messages")
@@ -68,7 +70,7 @@ def submit_turn(engine: Engine, turn: Turn, *, max_tokens: int | None, sampling:
         max_tokens=min(max_tokens or default, room),
         sampling=sampling,
         stop=tuple(s for s in stop if s),
-        tenant=request_tenant(cache_salt),
+        tenant=tenant,
         constraint=prepared.constraint,
     )
     return TurnRun(loaded=loaded, request=request, handle=engine.submit(request), parser=prepared.parser())

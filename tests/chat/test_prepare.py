@@ -91,6 +91,15 @@ def test_template_without_tools_gets_the_fallback_prompt(loaded_model):
     assert [e.call.name for e in events if isinstance(e, ToolCallEnd)] == ["get_weather"]
 
 
+def test_a_long_prompt_is_kept_for_its_tenant(loaded_model):
+    loaded = dataclasses.replace(loaded_model)  # its own encoder, with nothing kept yet
+    long = Turn((Message("user", "word " * 5000),))
+    first = prepare(loaded, long, tenant="tenant-a")
+    assert prepare(loaded, long, tenant="tenant-b").prompt_tokens == first.prompt_tokens
+    assert [owner for owner, _ in loaded._pieces.memo] == ["tenant-b", "tenant-a"]
+    assert prepare(loaded, long).prompt_tokens == first.prompt_tokens  # the default tenant's own
+
+
 @pytest.mark.parametrize("template", [None, QWEN_LIKE])
 def test_resent_with_one_more_turn_is_a_token_prefix(loaded_model, template):
     # (thinking on: with it off, Qwen3's template puts an empty think block in the

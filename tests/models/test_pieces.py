@@ -77,6 +77,20 @@ def test_a_resent_text_encodes_only_what_follows_a_kept_texts_pieces(tokenizer):
         assert len(pieces.memo) == 1  # the text it extends is dropped: its pieces are the new one's
 
 
+def test_a_text_reuses_only_the_pieces_kept_for_its_owner(tokenizer):
+    # owners are KV tenants: how fast a prompt encodes must not tell one what another sent
+    pieces, backend = counted(tokenizer, piece_chars=256)
+    chat = texts(tokenizer)[4]
+    pieces.encode(chat, "tenant-a")
+    backend.chars = 0
+    assert pieces.encode(chat, "tenant-b") == tokenizer.encode(chat, add_special_tokens=False)
+    assert backend.chars == len(chat)  # nothing of tenant-a's reused
+    backend.chars = 0
+    assert pieces.encode(chat, "tenant-a") == tokenizer.encode(chat, add_special_tokens=False)
+    assert backend.chars <= 3 * 256
+    assert [owner for owner, _ in pieces.memo] == ["tenant-a", "tenant-b"]
+
+
 def test_an_edited_or_unsafely_continued_text_reuses_only_what_still_cuts_the_same(tokenizer):
     pieces, backend = counted(tokenizer, piece_chars=256)
     chat = texts(tokenizer)[4]
