@@ -173,6 +173,14 @@ def device_kind() -> str:
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
+@cache
+def on_cuda() -> bool:
+    """Returns whether MLX runs on an NVIDIA GPU (the default device, through MLX CUDA)."""
+    import mlx.core as mx
+
+    return device_kind() == "gpu" and mx.cuda.is_available()
+
+
 def wanted_here(choice: str) -> bool:
     """Returns whether an `auto` / `on` / `off` key asks for its feature on this machine:
     "auto" means on CUDA, where the features such keys choose pay (a host-bound decode

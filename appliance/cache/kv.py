@@ -21,6 +21,7 @@ from appliance.cache.keys import KeySpace, KVLayout
 from appliance.engine.mlxlm_seam import BatchCache, set_size
 from appliance.kernels.gate import GATE
 from appliance.kernels.kv_quant import pack, unpack
+from appliance.platform import on_cuda
 
 CUT_RUN_BLOCKS = 8  # blocks cut_blocks stacks at once: its scratch copy is this many blocks
 GATHER_BYTES = 1 << 30  # on CUDA, the most of a prefix's keys (or values) build_batch_cache gathers at once
@@ -134,7 +135,7 @@ def build_batch_cache(blocks: list[KVBlock], num_tokens: int, *,
     layers, heads = blocks[0].keys.shape[:2]
     room = -num_tokens % BatchKVCache.step or BatchKVCache.step
     if gather_bytes is None:
-        gather_bytes = GATHER_BYTES if mx.cuda.is_available() and mx.default_device() == mx.gpu else 0
+        gather_bytes = GATHER_BYTES if on_cuda() else 0
 
     def by_layer(arrays: list[mx.array]) -> list[mx.array]:
         parts, left = [], num_tokens

@@ -19,8 +19,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-
 from appliance.cache.model_cache import ModelCache, Saving
 from appliance.engine.request import Finished, GenerationRequest, RequestStats
 from appliance.engine.scheduler import GPU_SHAPE_TOKENS, Scheduler
@@ -30,7 +28,7 @@ from appliance.engine.thread import EngineThread
 from appliance.engine.warm_up import WARM_UP_CHAT, described, idle_shapes, prefill_s_per_token, run_shape, warm_up
 from appliance.models.loaded import LoadedModel
 from appliance.moving_average import moving_average
-from appliance.platform import device_kind
+from appliance.platform import on_cuda
 from appliance.spec import BatchingSpec
 
 log = logging.getLogger("omlx.engine")
@@ -138,7 +136,7 @@ class Engine:
         self._prefill_s: float | None = None  # the measured prefills' seconds, averaged (`_prefilled`)
         # Restores and saves keep to multiples of this many tokens: on MLX CUDA the GPU
         # scheduler's prefill shape (see `_restore`), elsewhere any length.
-        self.whole_tokens = GPU_SHAPE_TOKENS if device_kind() == "gpu" and mx.cuda.is_available() else 1
+        self.whole_tokens = GPU_SHAPE_TOKENS if on_cuda() else 1
         self.recent: deque[RequestStats] = deque(maxlen=RECENT_REQUESTS)
         # Where the engine thread's time goes, in seconds per phase of a step (PHASES), with
         # the steps and batched-start prefill calls counted: read by /metrics.
