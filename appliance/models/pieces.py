@@ -7,10 +7,11 @@ the same context each turn with a little more at its end: so a long text is cut 
 pieces where the tokenizer would split it anyway, each piece's ids are kept for the
 MEMO_TEXTS most recent texts, and a text that starts with a kept text's pieces encodes
 only what follows them. A text reuses only pieces kept for the same owner (the request's
-KV tenant): how fast a prompt is encoded must not tell one tenant what another sent,
-as the KV cache's tenants keep its hits apart. The pieces are encoded one after another, on the calling thread:
-`encode_batch` on all cores made a hit slower in the server (0.36 s against 0.18 s on an
-H100 host), whose one malloc arena (platform.MALLOC_TUNABLES) its threads contend for.
+KV tenant): how fast a prompt is encoded must not tell one tenant what another sent, as
+the KV cache's tenants keep its hits apart. The pieces are encoded one after another, on
+the calling thread: `encode_batch` on all cores made a hit slower in the server (0.36 s
+against 0.18 s on an H100 host), whose one malloc arena (platform.MALLOC_TUNABLES) its
+threads contend for.
 
 Where a cut is safe: at a space between two characters that are not whitespace, for a
 tokenizer with no normalizer (or NFC, which composes within a character's marks), a
