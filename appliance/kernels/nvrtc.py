@@ -71,21 +71,41 @@ def _strings(items: list[str]):
 def compile_cubin(source: str, *, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
     """Returns the cubin of `source` for `arch` (e.g. "sm_90"). `name` names the program in
     NVRTC's messages. Raises CompileError with NVRTC's log."""
+    cubin, _ = compile_program(source, name=name, flags=(f"--gpu-architecture={arch}", *options))
+    return cubin
+
+
+def compile_program(source: str, *, name: str, flags: tuple[str, ...], headers: dict[str, str] | None = None,
+                    expressions: tuple[str, ...] = ()) -> tuple[bytes, list[tuple[str, str]]]:
+    """Returns the cubin of `source` compiled with `flags` (which name the architecture),
+    and each of `expressions` (kernel templates' instances, e.g. "ns::k<float, 2>") with
+    its lowered (mangled) name. `headers` maps include names to in-memory sources. Raises
+    CompileError with NVRTC's log."""
     lib = library()
+    headers = headers or {}
     program = ctypes.c_void_p()
-    _check(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
+    _check(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), len(headers),
+                                  _strings(list(headers.values())), _strings(list(headers))),
            "nvrtcCreateProgram")
     try:
-        flags = [f"--gpu-architecture={arch}", *options]
-        code = lib.nvrtcCompileProgram(program, len(flags), _strings(flags))
+        for expression in expressions:
+            _check(lib.nvrtcAddNameExpression(program, expression.encode()), "nvrtcAddNameExpression")
+        code = lib.nvrtcCompileProgram(program, len(flags), _strings(list(flags)))
         if code != 0:
+            arch = next((f.split("=", 1)[1] for f in flags if f.startswith("--gpu-architecture=")), "?")
             raise CompileError(f"{name} did not compile for {arch} "
                                f"({lib.nvrtcGetErrorString(code).decode()}):\n{_log(lib, program)}")
+        lowered = []
+        for expression in expressions:
+            mangled = ctypes.c_char_p()
+            _check(lib.nvrtcGetLoweredName(program, expression.encode(), ctypes.byref(mangled)),
+                   "nvrtcGetLoweredName")
+            lowered.append((expression, mangled.value.decode()))
         size = ctypes.c_size_t()
         _check(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-        return cubin.raw
+        return cubin.raw, lowered
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
