@@ -61,10 +61,12 @@ def run_serve(args: argparse.Namespace) -> int:
     loaded = load_or_report(args.config)
     if loaded is None:
         return 1
+    from appliance.kernels import ahead
     from appliance.models import preload
 
     platform.configure_logging()  # the preload's lines too
     preload.start(loaded)  # the default model's weights, while the server's imports run (CUDA)
+    ahead.start(loaded.spec.cache.path(loaded.base_dir))  # MLX's kernels a machine lacks, beside them (CUDA)
     from appliance.server.runner import serve
 
     status = serve(loaded)

@@ -24,6 +24,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.request import RequestStats
 from appliance.engine.stand_in import warm_up_stand_in
 from appliance.engine.thread import EngineThread
+from appliance.kernels import ahead
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
 from appliance.kernels.registry import switch as switch_kernels
@@ -176,6 +177,7 @@ class Appliance:
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
             if store is not None:
                 store.probe_ssd()  # the disk, now that the load no longer reads it
+            ahead.wait()  # the model's first forward pass: MLX's kernels compiled ahead are all there
             layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
             expect(layout)
             pin_ahead()  # unless the stand-in's layout started it: beside the warm-up, not the first request

@@ -1,0 +1,110 @@
+"""MLX's kernels compiled ahead: modules of a manifest compiled by NVRTC in processes of their
+own (no GPU is needed to compile) and written where and as MLX CUDA reads them, recorded
+back from such a directory, and never applied to another build of MLX."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.kernels import ahead
+
+HEADERS = {"mlx/backend/cuda/device/utils.cuh": "#pragma once\ntemplate <typename T> __device__ T twice(T x) "
+                                                 "{ return x + x; }\n"}
+SOURCE = '''#include "mlx/backend/cuda/device/utils.cuh"
+namespace mlx::core::cu {
+template <typename T, int N>
+__global__ void scale(T* out) { out[threadIdx.x] = twice(out[threadIdx.x]) * N; }
+}
+'''
+FLAGS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90a")
+ELF = b"\x7fELF"
+
+
+def module(name: str, source: str = SOURCE) -> ahead.Module:
+    return ahead.Module(name, source, ("mlx::core::cu::scale<float, 2>", "mlx::core::cu::scale<int, 3>"))
+
+
+def manifest(*modules: ahead.Module, marks: tuple[str, ...] = ()) -> ahead.Manifest:
+    return ahead.Manifest(mlx="0.0.1", build="build-a", modules=modules, marks=marks)
+
+
+def test_a_module_is_kept_where_mlx_keeps_it_long_names_in_directories(tmp_path):
+    assert ahead.module_path(tmp_path, "gather_bfloat16_int32_1") == tmp_path / "gather_bfloat16_int32_1.ptx"
+    long = "a" * 245 + "b" * 245 + "c" * 10
+    assert ahead.module_path(tmp_path, long) == tmp_path / ("a" * 245) / ("b" * 245) / ("c" * 10 + ".ptx")
+
+
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_the_modules_compile_each_in_a_process_and_record_back_as_they_were(tmp_path):
+    long = "fused_" + "x" * 300
+    wanted = manifest(module("first"), module(long), marks=("omlx-batch-changes-v2-bfloat16",))
+    report = ahead.compile_ahead(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=2)
+    assert set(report.compiled) == {"first", long} and not report.failed and report.workers == 2
+    ptx = ahead.module_path(tmp_path, "first")
+    assert ptx.read_bytes().startswith(ELF)
+    lines = ptx.with_suffix(".txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines] == list(module("first").kernels)
+    assert all(line.split("\t")[1].startswith("_ZN3mlx4core2cu5scale") for line in lines)  # lowered names
+    assert ptx.with_suffix(".cu").read_text() == SOURCE
+    assert (tmp_path / "omlx-batch-changes-v2-bfloat16").is_file()  # every module there: the mark too
+    assert not list(tmp_path.rglob(".ahead-*"))  # no temporary file left
+    again = ahead.record(tmp_path, mlx="0.0.1", build="build-a")
+    assert again == ahead.Manifest("0.0.1", "build-a", (module("first"), module(long)),
+                                   ("omlx-batch-changes-v2-bfloat16",))
+
+
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_modules_there_already_are_not_compiled_again(tmp_path):
+    wanted = manifest(module("first"))
+    ahead.compile_ahead(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=1)
+    report = ahead.compile_ahead(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=4)
+    assert report.present == 1 and report.compiled == {} and report.failed == {}
+
+
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_a_module_that_fails_is_left_to_mlx_and_the_others_are_written(tmp_path):
+    wanted = manifest(module("good"), module("bad", "__global__ void k() { undefined_thing(); }"),
+                      marks=("omlx-batch-changes-v2-bfloat16",))
+    report = ahead.compile_ahead(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=2)
+    assert set(report.compiled) == {"good"}
+    assert "bad.cu did not compile" in report.failed["bad"]
+    assert ahead.module_path(tmp_path, "good").is_file()
+    assert not list(tmp_path.glob("bad.*"))  # nothing of it for MLX to read
+    assert not (tmp_path / "omlx-batch-changes-v2-bfloat16").exists()  # not every module is there
+
+
+def test_a_manifest_applies_only_to_the_build_it_was_recorded_with(tmp_path, monkeypatch):
+    monkeypatch.setattr(ahead, "MANIFESTS", tmp_path)
+    (tmp_path / "mlx-0.0.1.json").write_bytes(ahead.dump(manifest(module("first"), marks=("omlx-m",))))
+    assert ahead.manifest_for("0.0.1", "build-a") == manifest(module("first"), marks=("omlx-m",))
+    assert ahead.manifest_for("0.0.1", "build-b") is None
+    assert ahead.manifest_for("0.0.1", None) is None
+    assert ahead.manifest_for("0.0.2", "build-a") is None
+
+
+def test_the_shipped_manifests_load_and_are_of_the_version_they_are_named_for():
+    for path in sorted(ahead.MANIFESTS.glob("mlx-*.json")):
+        shipped = ahead.load(path)
+        assert path.name == f"mlx-{shipped.mlx}.json"
+        assert shipped.build and shipped.modules
+        assert all(m.source and m.kernels for m in shipped.modules)
+
+
+def test_two_recordings_of_one_build_merge_and_of_two_do_not():
+    first, second = manifest(module("b"), marks=("omlx-x",)), manifest(module("a"), module("b"), marks=("omlx-y",))
+    assert ahead.merged(first, second) == manifest(module("a"), module("b"), marks=("omlx-x", "omlx-y"))
+    with pytest.raises(ValueError, match="two MLX builds"):
+        ahead.merged(first, ahead.Manifest("0.0.1", "build-b", ()))
+
+
+def test_mlx_compiles_for_the_architecture_specific_target_from_hopper_on():
+    assert ahead.architecture(9, 0) == "sm_90a"
+    assert ahead.architecture(10, 0) == "sm_100a"
+    assert ahead.architecture(8, 6) == "sm_86"
+
+
+def test_off_cuda_nothing_is_compiled_and_a_wait_returns_at_once(tmp_path):
+    assert ahead.here(tmp_path) is None  # the CPU build: no CUDA
+    ahead.start(tmp_path)
+    ahead.wait(timeout=30)
+    assert ahead._done is not None and ahead._done.is_set()
