@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop,hit,build
+#                                  # matmulab,spypass,capture,startloop,hit,build,ahead
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -142,6 +142,26 @@ case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] START
       | grep -E '"start_to_ready_s"|terminate|what\(\)|Error' | head -5
     echo "start $i: exit ${PIPESTATUS[0]}"
   done ;; esac
+case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
+  # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
+  # (into this tree and $OUT); then the manifest compiled into empty dirs 16 at once and one at a time, compared
+  # with MLX's own, and a first start and a later one with it.
+  model 8b
+  W=/tmp/omlx-ahead; rm -rf "$W"; mkdir -p "$W/aside"
+  M=appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json
+  ahead_ready() { step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
+    --fresh-kernel-caches "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'; }
+  if [ -z "${AHEAD_KEEP:-}" ]; then
+    [ -f "$M" ] && mv "$M" "$W/aside/"
+    ahead_ready --work "$W/mlx" --out "$OUT/ahead-mlx.json"
+    python3 bench/kernels_ahead.py record "$W/mlx/ptx" --out "$M" && cp "$M" "$OUT/"
+  fi
+  step python3 bench/kernels_ahead.py compile "$W/ours" --workers 16 | tee "$OUT/ahead-compile-16.json" | tail -4
+  step python3 bench/kernels_ahead.py compile "$W/one" --workers 1 | tee "$OUT/ahead-compile-1.json" | tail -4
+  [ -d "$W/mlx/ptx" ] && python3 bench/kernels_ahead.py compare "$W/mlx/ptx" "$W/ours" | tee "$OUT/ahead-compare.json"
+  ahead_ready --work "$W/first" --out "$OUT/ahead-first.json"
+  ahead_ready --work "$W/first" --out "$OUT/ahead-later.json"
+  ls "$W/first/ptx" | head -40 ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)

@@ -204,7 +204,7 @@ dir = "{work / 'cache'}"
         load = re.search(r"loaded from .* in ([0-9.]+) s", text)
         results["model_load_s"] = float(load.group(1)) if load else None
         results["log_lines"] = [line for line in text.splitlines()
-                                if re.search(r"loaded|warm|ready|limit|memory", line, re.I)][:20]
+                                if re.search(r"loaded|warm|ready|limit|memory|ahead", line, re.I)][:24]
         print(json.dumps(results, indent=1), flush=True)
         first = [{"role": "user", "content": long_text(args.model_dir, args.tokens, seed=1)}]
         other = [{"role": "user", "content": long_text(args.model_dir, args.tokens * 4 // 5, seed=2)}]

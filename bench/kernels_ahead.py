@@ -1,0 +1,114 @@
+"""MLX's kernels compiled ahead (appliance/kernels/ahead.py): record a manifest from MLX's
+own kernel cache, compile it into an empty one as many at once as asked, and compare
+what was compiled with what MLX compiled.
+
+    python bench/kernels_ahead.py record DIR --out appliance/kernels/ahead/mlx-VERSION.json
+    python bench/kernels_ahead.py compile DIR [--workers N] [--manifest FILE]
+    python bench/kernels_ahead.py compare MLX_DIR OURS_DIR
+
+`record` merges into --out when that holds a manifest of the same build. `compile` prints
+each module's seconds and the whole. `compare` checks, per module both hold, the kernels'
+lowered names and every section of the cubins but the string table, where NVRTC's names
+of internal symbols carry a hash that differs between any two compiles (two compiles of
+one source by NVRTC differ there and nowhere else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from appliance.kernels import ahead, libmlx  # noqa: E402
+
+
+def installed_build() -> tuple[str, str, Path]:
+    import mlx.core as mx
+
+    library = libmlx.path()
+    build = libmlx.build_id(library) if library else None
+    if library is None or build is None:
+        raise SystemExit("no libmlx with a RECORD entry is installed")
+    return mx.__version__, build, library
+
+
+def sections(cubin: bytes) -> dict[str, bytes]:
+    """Returns an ELF64 file's sections by name."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names = headers[names_at]
+    table = cubin[names[4]:names[4] + names[5]]
+    return {table[h[0]:table.index(b"\0", h[0])].decode(): cubin[h[4]:h[4] + h[5]] for h in headers}
+
+
+def compare(theirs: Path, ours: Path) -> dict:
+    mlx_modules = {m.name for m in ahead.record(theirs, mlx="", build="").modules}
+    our_modules = {m.name for m in ahead.record(ours, mlx="", build="").modules}
+    same, differ = [], {}
+    for name in sorted(mlx_modules & our_modules):
+        a, b = ahead.module_path(theirs, name), ahead.module_path(ours, name)
+        if a.with_suffix(".txt").read_text() != b.with_suffix(".txt").read_text():
+            differ[name] = "kernel names"
+            continue
+        sa, sb = sections(a.read_bytes()), sections(b.read_bytes())
+        unlike = sorted(k for k in sa.keys() | sb.keys() if k != ".strtab" and sa.get(k) != sb.get(k))
+        if unlike:
+            differ[name] = f"sections {unlike[:4]}"
+        else:
+            same.append(name)
+    return {"same": len(same), "differ": differ, "only_mlx": sorted(mlx_modules - our_modules),
+            "only_ours": sorted(our_modules - mlx_modules)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("dir", type=Path)
+    rec.add_argument("--out", type=Path, required=True)
+    com = sub.add_parser("compile")
+    com.add_argument("dir", type=Path)
+    com.add_argument("--workers", type=int, default=16)
+    com.add_argument("--manifest", type=Path, default=None, help="default: the one shipped for this MLX")
+    cmp = sub.add_parser("compare")
+    cmp.add_argument("mlx_dir", type=Path)
+    cmp.add_argument("ours_dir", type=Path)
+    args = parser.parse_args()
+
+    if args.command == "compare":
+        print(json.dumps(compare(args.mlx_dir, args.ours_dir), indent=1))
+        return 0
+    version, build, library = installed_build()
+    if args.command == "record":
+        manifest = ahead.record(args.dir, mlx=version, build=build)
+        if args.out.is_file():
+            kept = ahead.load(args.out)
+            if (kept.mlx, kept.build) == (version, build):
+                manifest = ahead.merged(kept, manifest)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(ahead.dump(manifest))
+        print(json.dumps({"modules": [m.name for m in manifest.modules], "marks": manifest.marks,
+                          "bytes": args.out.stat().st_size}, indent=1))
+        return 0
+    from appliance.kernels.cuda_driver import compute_capability
+
+    manifest = ahead.load(args.manifest) if args.manifest else ahead.manifest_for(version, build)
+    if manifest is None:
+        raise SystemExit(f"no manifest for MLX {version} build {build}")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    headers = libmlx.headers(library)
+    report = ahead.compile_ahead(manifest, args.dir, flags=ahead.mlx_flags(ahead.architecture(*compute_capability()),
+                                                                           library),
+                                 headers=headers, workers=args.workers)
+    print(json.dumps({"workers": report.workers, "seconds": report.seconds, "present": report.present,
+                      "compiled": report.compiled, "failed": report.failed, "headers": len(headers)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
