@@ -228,9 +228,7 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
     """
     if os.environ.get(KERNEL_CACHE_ENV):
         return None
-    import mlx.core as mx
-
-    path = cache_dir / "kernels" / f"mlx-{mx.__version__}"
+    path = cache_dir / "kernels" / f"mlx-{importlib.metadata.version('mlx')}"  # MLX not imported: `ahead` is early
     os.environ[KERNEL_CACHE_ENV] = str(path)
     return path
 
@@ -246,8 +244,12 @@ def kernel_dir() -> Path | None:
     `default_kernel_dir`); None off CUDA."""
     import mlx.core as mx
 
-    if not mx.cuda.is_available():
-        return None
+    return mlx_kernel_dir() if mx.cuda.is_available() else None
+
+
+def mlx_kernel_dir() -> Path:
+    """Returns where MLX CUDA would keep the kernels it compiles (`MLX_PTX_CACHE_DIR`, else
+    `default_kernel_dir`), without importing MLX."""
     named = os.environ.get(KERNEL_CACHE_ENV)
     return Path(named) if named else default_kernel_dir()
 

@@ -12,9 +12,10 @@ recorded from MLX's own cache: each module's name, source and kernels. `start` c
 ones missing from the cache, each in a process of its own, as many at once as there are
 cores, while the server imports and loads its model, and writes them as MLX does; the
 model's first forward pass `wait`s for it, and MLX then reads them instead of compiling.
-Same source, same headers (MLX's own, read from libmlx: kernels/libmlx.py), same flags:
-MLX's own cubin, but for the names NVRTC gives internal symbols, which differ between any
-two compiles (bench/kernels_ahead.py compares them).
+Same source, same headers (MLX's own, read from libmlx: kernels/libmlx.py), same flags
+(and NVRTC's optimizations split over the cores): MLX's own cubin, but for the note that
+records the flags and the names NVRTC gives internal symbols, which differ between any two
+compiles (bench/kernels_ahead.py compares them).
 
 A manifest applies only to the build of libmlx it was recorded with (the SHA-256 its
 wheel's RECORD gives it): another build compiles nothing ahead and MLX compiles as before.
@@ -24,6 +25,7 @@ renamed, the cubin last, so that MLX never reads a half-written module.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import subprocess
@@ -38,7 +40,7 @@ from pathlib import Path
 import orjson
 
 from appliance.kernels import libmlx
-from appliance.kernels.nvrtc import CompileError, compile_program
+from appliance.kernels.nvrtc import CompileError, compile_program, version
 
 log = logging.getLogger("omlx.kernels")
 
@@ -135,9 +137,13 @@ def architecture(major: int, minor: int) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
-def mlx_flags(arch: str, library: Path) -> tuple[str, ...]:
-    """Returns the flags MLX hands NVRTC (jit_module.cpp `compile`)."""
-    return ("--device-as-default-execution-space", f"--gpu-architecture={arch}", *libmlx.include_paths(library))
+def compile_flags(arch: str, library: Path, *, split: bool = True) -> tuple[str, ...]:
+    """Returns the flags MLX hands NVRTC (jit_module.cpp `compile`), and `--split-compile=0`:
+    NVRTC's optimizations on every core, which changes nothing in the cubin but the note
+    that records the flags (MLX's largest module, 88 instances, took 7.2 s on an H100's
+    host with six compiling at once). `split=False`: MLX's flags alone."""
+    mlx = ("--device-as-default-execution-space", f"--gpu-architecture={arch}", *libmlx.include_paths(library))
+    return (*mlx, "--split-compile=0") if split and version() >= (12, 1) else mlx
 
 
 def compile_ahead(manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
@@ -151,6 +157,7 @@ def compile_ahead(manifest: Manifest, directory: Path, *, flags: tuple[str, ...]
     report = Report()
     todo = [m for m in manifest.modules if not module_path(directory, m.name).is_file()]
     report.present = len(manifest.modules) - len(todo)
+    todo.sort(key=lambda m: -len(m.kernels))  # the most instances take longest (gather_axis: 88, 5.9 s): first
 
     def build(module: Module) -> None:
         began = time.perf_counter()
@@ -230,27 +237,31 @@ def start(cache_dir: Path) -> None:
 
 def here(cache_dir: Path) -> Report | None:
     """Compiles ahead what this machine's MLX kernel cache lacks; None where nothing applies
-    (no CUDA, no manifest for this MLX build)."""
-    import mlx.core as mx
-
+    (no manifest for this MLX build, no GPU). MLX is not imported: its import (1.3 s on an
+    H100 machine) would delay the compiles, which are a first start's longest part."""
     from appliance import platform
-    from appliance.kernels.cuda_driver import compute_capability
+    from appliance.kernels.cuda_driver import CudaError, compute_capability
 
-    if not mx.cuda.is_available():
+    library = libmlx.path()
+    manifest = manifest_for(importlib.metadata.version("mlx"), libmlx.build_id(library)) if library else None
+    if manifest is None:  # a CPU or Metal build, or an MLX no manifest was recorded for
+        log.debug("no manifest of MLX's kernels for this build: MLX compiles them as it meets them")
+        return None
+    try:
+        arch = architecture(*compute_capability())
+    except CudaError as e:
+        log.debug("no GPU to compile MLX's kernels for: %s", e)
         return None
     platform.keep_compiled_kernels(cache_dir)  # unless the environment names a dir
-    directory, library = platform.kernel_dir(), libmlx.path()
-    manifest = manifest_for(mx.__version__, libmlx.build_id(library)) if library is not None else None
-    if directory is None or manifest is None:
-        log.info("no manifest of MLX %s's kernels for this build: MLX compiles them as it meets them",
-                 mx.__version__)
-        return None
+    directory = platform.mlx_kernel_dir()
     if all(module_path(directory, m.name).is_file() for m in manifest.modules):
         return Report(present=len(manifest.modules))
-    report = compile_ahead(manifest, directory, flags=mlx_flags(architecture(*compute_capability()), library),
-                           headers=libmlx.headers(library), workers=os.cpu_count() or 1)
-    log.info("MLX's kernels compiled ahead: %d of %d in %.2f s on %d threads (%d there already)%s",
-             len(report.compiled), len(manifest.modules), report.seconds, report.workers, report.present,
+    report = compile_ahead(manifest, directory, flags=compile_flags(arch, library), headers=libmlx.headers(library),
+                           workers=os.cpu_count() or 1)
+    slowest = max(report.compiled.items(), key=lambda item: item[1], default=("-", 0.0))
+    log.info("MLX's kernels compiled ahead: %d of %d in %.2f s in %d processes (%d there already; slowest %s, "
+             "%.2f s)%s", len(report.compiled), len(manifest.modules), report.seconds, report.workers,
+             report.present, slowest[0][:40], slowest[1],
              f"; {len(report.failed)} left to MLX: {report.failed}" if report.failed else "")
     return report
 

@@ -20,15 +20,12 @@ import re
 import struct
 from pathlib import Path
 
-import numpy as np
-
 LIBRARY = "mlx/lib/libmlx.so"  # as the wheel's RECORD names it
 SOURCE_SYMBOL = re.compile(rb"_ZN\w*3mlx4coreL?\d+jit_source_(\w+?)E\Z")  # mlx::core::jit_source_NAME
 DEVICE_INCLUDE = "mlx/backend/cuda/device"  # MLX's in-memory headers are named under it
 # ELF64 section header and symbol (little-endian)
 _SECTION = struct.Struct("<IIQQQQIIQQ")  # name, type, flags, addr, offset, size, link, info, addralign, entsize
-_SYMBOL = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
-                    ("size", "<u8")])
+_SYMBOL = [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")]
 _SHT_SYMTAB = 2
 
 
@@ -62,6 +59,8 @@ def headers(library: Path) -> dict[str, str]:
 
 
 def _headers(data: mmap.mmap) -> dict[str, str]:
+    import numpy as np  # here: a compile's process (kernels/ahead.py) needs none of this
+
     if data[:6] != b"\x7fELF\x02\x01":  # ELF, 64-bit, little-endian
         return {}
     (shoff,) = struct.unpack_from("<Q", data, 0x28)
@@ -81,7 +80,7 @@ def _headers(data: mmap.mmap) -> dict[str, str]:
         if match:
             wanted[start] = match.group(1).decode()
         at = strings.find(b"jit_source_", end)
-    symbols = np.frombuffer(data[symtab[4]:symtab[4] + symtab[5]], _SYMBOL)
+    symbols = np.frombuffer(data[symtab[4]:symtab[4] + symtab[5]], np.dtype(_SYMBOL))
     found: dict[str, str] = {}
     for symbol in symbols[np.isin(symbols["name"], list(wanted))]:
         section = sections[int(symbol["shndx"])] if int(symbol["shndx"]) < len(sections) else None

@@ -16,7 +16,7 @@ template <typename T, int N>
 __global__ void scale(T* out) { out[threadIdx.x] = twice(out[threadIdx.x]) * N; }
 }
 '''
-FLAGS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90a")
+FLAGS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90a", "--split-compile=0")
 ELF = b"\x7fELF"
 
 
@@ -95,6 +95,16 @@ def test_two_recordings_of_one_build_merge_and_of_two_do_not():
     assert ahead.merged(first, second) == manifest(module("a"), module("b"), marks=("omlx-x", "omlx-y"))
     with pytest.raises(ValueError, match="two MLX builds"):
         ahead.merged(first, ahead.Manifest("0.0.1", "build-b", ()))
+
+
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_the_flags_are_mlxs_with_the_optimizations_split_over_the_cores(tmp_path):
+    library = tmp_path / "mlx" / "lib" / "libmlx.so"
+    (tmp_path / "mlx" / "include").mkdir(parents=True)
+    assert ahead.compile_flags("sm_90a", library)[:3] == (
+        "--device-as-default-execution-space", "--gpu-architecture=sm_90a", f"--include-path={tmp_path}/mlx/include")
+    assert ahead.compile_flags("sm_90a", library)[-1] == "--split-compile=0"
+    assert "--split-compile=0" not in ahead.compile_flags("sm_90a", library, split=False)
 
 
 def test_mlx_compiles_for_the_architecture_specific_target_from_hopper_on():
