@@ -144,21 +144,26 @@ case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] START
   done ;; esac
 case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
   # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
-  # (into this tree and $OUT); then the manifest compiled into empty dirs 16 at once and one at a time, compared
-  # with MLX's own, and a first start and a later one with it.
+  # (into this tree and $OUT); then the manifest compiled into an empty dir 16 at once (and one at a time with
+  # AHEAD_SERIAL=1), compared with MLX's own, and a first start and a later one with it.
   model 8b
   W=/tmp/omlx-ahead; rm -rf "$W"; mkdir -p "$W/aside"
   M=appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json
   ahead_ready() { step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
-    --fresh-kernel-caches "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'; }
+    --fresh-kernel-caches --hit-repeats 1 "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'; }
   if [ -z "${AHEAD_KEEP:-}" ]; then
     [ -f "$M" ] && mv "$M" "$W/aside/"
     ahead_ready --work "$W/mlx" --out "$OUT/ahead-mlx.json"
     python3 bench/kernels_ahead.py record "$W/mlx/ptx" --out "$M" && cp "$M" "$OUT/"
   fi
   step python3 bench/kernels_ahead.py compile "$W/ours" --workers 16 | tee "$OUT/ahead-compile-16.json" | tail -4
-  step python3 bench/kernels_ahead.py compile "$W/one" --workers 1 | tee "$OUT/ahead-compile-1.json" | tail -4
+  [ -n "${AHEAD_SERIAL:-}" ] && step python3 bench/kernels_ahead.py compile "$W/one" --workers 1 \
+    | tee "$OUT/ahead-compile-1.json" | tail -4
   [ -d "$W/mlx/ptx" ] && python3 bench/kernels_ahead.py compare "$W/mlx/ptx" "$W/ours" | tee "$OUT/ahead-compare.json"
+  if [ -n "${AHEAD_KEEP:-}" ]; then  # ours with MLX's flags alone (the same as MLX's, in earlier runs) against ours
+    step python3 bench/kernels_ahead.py compile "$W/plain" --mlx-flags | tee "$OUT/ahead-compile-plain.json" | tail -4
+    python3 bench/kernels_ahead.py compare "$W/plain" "$W/ours" | tee "$OUT/ahead-compare-plain.json"
+  fi
   ahead_ready --work "$W/first" --out "$OUT/ahead-first.json"
   ahead_ready --work "$W/first" --out "$OUT/ahead-later.json"
   ls "$W/first/ptx" | head -40 ;; esac

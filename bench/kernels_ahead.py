@@ -3,14 +3,15 @@ own kernel cache, compile it into an empty one as many at once as asked, and com
 what was compiled with what MLX compiled.
 
     python bench/kernels_ahead.py record DIR --out appliance/kernels/ahead/mlx-VERSION.json
-    python bench/kernels_ahead.py compile DIR [--workers N] [--manifest FILE]
+    python bench/kernels_ahead.py compile DIR [--workers N] [--manifest FILE] [--mlx-flags]
     python bench/kernels_ahead.py compare MLX_DIR OURS_DIR
 
 `record` merges into --out when that holds a manifest of the same build. `compile` prints
 each module's seconds and the whole. `compare` checks, per module both hold, the kernels'
-lowered names and every section of the cubins but the string table, where NVRTC's names
-of internal symbols carry a hash that differs between any two compiles (two compiles of
-one source by NVRTC differ there and nowhere else).
+lowered names and every section of the cubins but two: the string table, where NVRTC's
+names of internal symbols carry a hash that differs between any two compiles (two
+compiles of one source by NVRTC differ there and nowhere else), and the tool note, which
+records the flags (omlx adds --split-compile=0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.kernels import ahead, libmlx  # noqa: E402
+
+LOOSE = (".strtab", ".note.nv.tkinfo")  # internal symbols' names (hashed per compile); the flags NVRTC got
 
 
 def installed_build() -> tuple[str, str, Path]:
@@ -56,7 +59,7 @@ def compare(theirs: Path, ours: Path) -> dict:
             differ[name] = "kernel names"
             continue
         sa, sb = sections(a.read_bytes()), sections(b.read_bytes())
-        unlike = sorted(k for k in sa.keys() | sb.keys() if k != ".strtab" and sa.get(k) != sb.get(k))
+        unlike = sorted(k for k in sa.keys() | sb.keys() if k not in LOOSE and sa.get(k) != sb.get(k))
         if unlike:
             differ[name] = f"sections {unlike[:4]}"
         else:
@@ -75,6 +78,7 @@ def main() -> int:
     com.add_argument("dir", type=Path)
     com.add_argument("--workers", type=int, default=16)
     com.add_argument("--manifest", type=Path, default=None, help="default: the one shipped for this MLX")
+    com.add_argument("--mlx-flags", action="store_true", help="MLX's flags alone (no --split-compile)")
     cmp = sub.add_parser("compare")
     cmp.add_argument("mlx_dir", type=Path)
     cmp.add_argument("ours_dir", type=Path)
@@ -102,9 +106,8 @@ def main() -> int:
         raise SystemExit(f"no manifest for MLX {version} build {build}")
     args.dir.mkdir(parents=True, exist_ok=True)
     headers = libmlx.headers(library)
-    report = ahead.compile_ahead(manifest, args.dir, flags=ahead.mlx_flags(ahead.architecture(*compute_capability()),
-                                                                           library),
-                                 headers=headers, workers=args.workers)
+    flags = ahead.compile_flags(ahead.architecture(*compute_capability()), library, split=not args.mlx_flags)
+    report = ahead.compile_ahead(manifest, args.dir, flags=flags, headers=headers, workers=args.workers)
     print(json.dumps({"workers": report.workers, "seconds": report.seconds, "present": report.present,
                       "compiled": report.compiled, "failed": report.failed, "headers": len(headers)}, indent=1))
     return 0
