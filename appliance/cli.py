@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from appliance import cli_cache, cli_connect, cli_status, service
@@ -64,6 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from appliance.kernels import ahead
     from appliance.models import preload
 
+    os.umask(0o077)  # before the threads below create files: the cache holds other people's prompts
     platform.configure_logging()  # the preload's lines too
     preload.start(loaded)  # the default model's weights, while the server's imports run (CUDA)
     ahead.start(loaded.spec.cache.path(loaded.base_dir))  # MLX's kernels a machine lacks, beside them (CUDA)
@@ -80,7 +82,6 @@ def exit_now(status: int) -> None:
     the backend's threads in an order that aborts the process ("terminate called without
     an active exception", status -6 after a clean stop, seen on an H200)."""
     import logging
-    import os
 
     logging.shutdown()
     sys.stdout.flush()

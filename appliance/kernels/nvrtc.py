@@ -30,12 +30,10 @@ class CompileError(RuntimeError):
 
 @cache
 def library() -> ctypes.CDLL:
-    """Returns libnvrtc: the one loaded already (MLX CUDA's), else the one the
-    nvidia-cuda-nvrtc wheel installed. Raises CompileError where there is none."""
-    try:
-        return _typed(ctypes.CDLL(SONAME))
-    except OSError:
-        pass
+    """Returns libnvrtc: the one the nvidia-cuda-nvrtc wheel installed (where MLX CUDA's
+    libmlx looks first, its rpath), else the system's. Raises CompileError where there is
+    none. A process that compiles MLX's own kernels (kernels/ahead.py) and has not loaded
+    MLX must find the NVRTC that MLX would use."""
     for site in sys.path:
         for sub in WHEEL_DIRS:
             lib_dir = Path(site) / sub
@@ -44,7 +42,10 @@ def library() -> ctypes.CDLL:
                 for builtins in sorted(lib_dir.glob("libnvrtc-builtins.so.*")):
                     ctypes.CDLL(str(builtins))
                 return _typed(ctypes.CDLL(str(lib_dir / SONAME)))
-    raise CompileError(f"no {SONAME} (install nvidia-cuda-nvrtc, which MLX CUDA depends on)")
+    try:
+        return _typed(ctypes.CDLL(SONAME))
+    except OSError:
+        raise CompileError(f"no {SONAME} (install nvidia-cuda-nvrtc, which MLX CUDA depends on)") from None
 
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -73,6 +73,14 @@ def test_a_module_that_fails_is_left_to_mlx_and_the_others_are_written(tmp_path)
     assert not (tmp_path / "omlx-batch-changes-v2-bfloat16").exists()  # not every module is there
 
 
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_a_cache_dir_that_cannot_be_written_leaves_every_module_to_mlx(tmp_path):
+    blocked = tmp_path / "kernels"
+    blocked.write_text("a file where the directory should be")
+    report = ahead.compile_ahead(manifest(module("first")), blocked, flags=FLAGS, headers=HEADERS, workers=1)
+    assert report.compiled == {} and set(report.failed) == {"first"}
+
+
 def test_a_manifest_applies_only_to_the_build_it_was_recorded_with(tmp_path, monkeypatch):
     monkeypatch.setattr(ahead, "MANIFESTS", tmp_path)
     (tmp_path / "mlx-0.0.1.json").write_bytes(ahead.dump(manifest(module("first"), marks=("omlx-m",))))
