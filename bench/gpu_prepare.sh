@@ -9,8 +9,9 @@ bash ../shared/gpu/prepare-wheels.sh .gpu gguf==0.19.0 prometheus-client==0.26.0
 # llguidance's wheel is tagged manylinux_2_31, a platform prepare-wheels.sh does not ask for.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 -d .gpu/wheels llguidance==1.9.1
-# py-spy, for gpu_run.sh's `profile` step (which threads of the server hold the GIL).
-python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 -d .gpu/wheels py-spy==0.4.3
+# py-spy, for gpu_run.sh's profiling steps (which threads of the server hold the GIL): apart, in .gpu/spy,
+# since with it the second call's carry (part-b, wheels, tok and the tree) passes the device's 64 MiB.
+python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 -d .gpu/spy py-spy==0.4.3
 model=$(ls -d .cache/test/models/*-float32 | head -1)
 mkdir -p .gpu/tok
 cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/special_tokens_map.json .gpu/tok/

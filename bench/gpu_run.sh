@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue #16's GPU measurements in one device call (the device tool allows 10 minutes a
 # call and 30 a session, so one call must carry everything). Run from the repository root
-# on the GPU machine, after `bash bench/gpu_prepare.sh` here and a first call
-# that copied .gpu/part-a to /root/stage; this call carries .gpu/part-b, .gpu/wheels,
-# .gpu/SHA256SUMS and .gpu/tok (tokenizer.json etc. of the converted test model):
+# on the GPU machine, after `bash bench/gpu_prepare.sh` here and a first call that copied
+# .gpu/part-a to /root/stage (and .gpu/spy, py-spy's wheel, for the steps that sample with
+# it); this call carries .gpu/part-b, .gpu/wheels, .gpu/SHA256SUMS and .gpu/tok
+# (tokenizer.json etc. of the converted test model):
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
