@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -40,13 +39,8 @@ def installed_build() -> tuple[str, str, Path]:
 
 
 def sections(cubin: bytes) -> dict[str, bytes]:
-    """Returns an ELF64 file's sections by name."""
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
-    names = headers[names_at]
-    table = cubin[names[4]:names[4] + names[5]]
-    return {table[h[0]:table.index(b"\0", h[0])].decode(): cubin[h[4]:h[4] + h[5]] for h in headers}
+    """Returns an ELF64 file's sections' bytes by name."""
+    return {s.name: cubin[s.offset:s.offset + s.size] for s in libmlx.sections(cubin)}
 
 
 def compare(theirs: Path, ours: Path) -> dict:

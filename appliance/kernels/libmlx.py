@@ -19,6 +19,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 LIBRARY = "mlx/lib/libmlx.so"  # as the wheel's RECORD names it
 SOURCE_SYMBOL = re.compile(rb"_ZN\w*3mlx4coreL?\d+jit_source_(\w+?)E\Z")  # mlx::core::jit_source_NAME
@@ -58,19 +59,39 @@ def headers(library: Path) -> dict[str, str]:
         return _headers(data)
 
 
+class Section(NamedTuple):
+    """An ELF section's header, as far as reading its bytes needs."""
+
+    name: str
+    type: int
+    addr: int
+    offset: int
+    size: int
+    link: int  # the symbol table's: its string table's index
+
+
+def sections(data: bytes | mmap.mmap) -> list[Section]:
+    """Returns the section headers of an ELF64 little-endian file (libmlx, a cubin), their
+    names read from the section-name table; [] for any other file."""
+    if data[:6] != b"\x7fELF\x02\x01":  # ELF, 64-bit, little-endian
+        return []
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", data, 0x3A)
+    raw = [_SECTION.unpack_from(data, shoff + i * entsize) for i in range(count)]
+    names = raw[names_at]
+    table = data[names[4]:names[4] + names[5]]
+    return [Section(table[h[0]:table.index(b"\0", h[0])].decode(), h[1], h[3], h[4], h[5], h[6]) for h in raw]
+
+
 def _headers(data: mmap.mmap) -> dict[str, str]:
     import numpy as np  # here: a compile's process (kernels/ahead.py) needs none of this
 
-    if data[:6] != b"\x7fELF\x02\x01":  # ELF, 64-bit, little-endian
-        return {}
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    entsize, count = struct.unpack_from("<HH", data, 0x3A)
-    sections = [_SECTION.unpack_from(data, shoff + i * entsize) for i in range(count)]
-    symtab = next((s for s in sections if s[1] == _SHT_SYMTAB), None)
+    found_sections = sections(data)
+    symtab = next((s for s in found_sections if s.type == _SHT_SYMTAB), None)
     if symtab is None:
         return {}
-    strtab = sections[symtab[6]]
-    strings = data[strtab[4]:strtab[4] + strtab[5]]
+    strtab = found_sections[symtab.link]
+    strings = data[strtab.offset:strtab.offset + strtab.size]
     wanted: dict[int, str] = {}  # string-table offset -> the source's name
     at = strings.find(b"jit_source_")
     while at >= 0:
@@ -80,16 +101,16 @@ def _headers(data: mmap.mmap) -> dict[str, str]:
         if match:
             wanted[start] = match.group(1).decode()
         at = strings.find(b"jit_source_", end)
-    symbols = np.frombuffer(data[symtab[4]:symtab[4] + symtab[5]], np.dtype(_SYMBOL))
+    symbols = np.frombuffer(data[symtab.offset:symtab.offset + symtab.size], np.dtype(_SYMBOL))
     found: dict[str, str] = {}
     for symbol in symbols[np.isin(symbols["name"], list(wanted))]:
-        section = sections[int(symbol["shndx"])] if int(symbol["shndx"]) < len(sections) else None
-        if section is None or not symbol["size"]:
+        index = int(symbol["shndx"])
+        if index >= len(found_sections) or not symbol["size"]:
             continue
-        offset = section[4] + int(symbol["value"]) - section[3]
+        section = found_sections[index]
+        offset = section.offset + int(symbol["value"]) - section.addr
         text = data[offset:offset + int(symbol["size"])].split(b"\0", 1)[0]
-        name = wanted[int(symbol["name"])]
-        found[include_name(name)] = text.decode()
+        found[include_name(wanted[int(symbol["name"])])] = text.decode()
     return found
 
 
