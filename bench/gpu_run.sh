@@ -9,7 +9,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop,hit,build,ahead
+#                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -168,6 +168,18 @@ case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance
   ahead_ready --work "$W/first" --out "$OUT/ahead-first.json"
   ahead_ready --work "$W/first" --out "$OUT/ahead-later.json"
   ls "$W/first/ptx" | head -40 ;; esac
+case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first start with the manifest as it is
+  # (MLX compiles what it lacks: the quantized matmuls), what MLX compiled merged into the manifest (this tree and
+  # $OUT), then a first start and a later one with the merged manifest
+  model 70b
+  W=/tmp/omlx-ahead70; rm -rf "$W"
+  M=appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json
+  ready70() { step python3 bench/start_to_ready.py /tmp/llama-70b-4bit --profile "$OMLX_PROFILE" --tokens 4000 \
+    --fresh-kernel-caches --hit-repeats 1 "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up)_s"|ahead|warmed up'; }
+  ready70 --work "$W/shipped" --out "$OUT/ahead70-shipped.json"
+  python3 bench/kernels_ahead.py record "$W/shipped/ptx" --out "$M" && cp "$M" "$OUT/"
+  ready70 --work "$W/merged" --out "$OUT/ahead70-merged.json"
+  ready70 --work "$W/merged" --out "$OUT/ahead70-later.json" ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)
