@@ -143,15 +143,19 @@ case ",$STEPS," in *,startloop,*)  # STARTS starts in a row with [kernels] START
       | grep -E '"start_to_ready_s"|terminate|what\(\)|Error' | head -5
     echo "start $i: exit ${PIPESTATUS[0]}"
   done ;; esac
+manifest() { echo "appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json"; }
+first_start() {  # first_start MODEL_DIR TOKENS [start_to_ready.py args]: a start with empty kernel caches
+  step python3 bench/start_to_ready.py "$1" --profile "$OMLX_PROFILE" --tokens "$2" --fresh-kernel-caches \
+    --hit-repeats 1 "${@:3}" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'
+}
 case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
   # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
   # (into this tree and $OUT); then the manifest compiled into an empty dir 16 at once (and one at a time with
   # AHEAD_SERIAL=1), compared with MLX's own, and a first start and a later one with it.
   model 8b
   W=/tmp/omlx-ahead; rm -rf "$W"; mkdir -p "$W/aside"
-  M=appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json
-  ahead_ready() { step python3 bench/start_to_ready.py /tmp/llama-8b --profile "$OMLX_PROFILE" --tokens 25000 \
-    --fresh-kernel-caches --hit-repeats 1 "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'; }
+  M=$(manifest)
+  ahead_ready() { first_start /tmp/llama-8b 25000 "$@"; }
   if [ -z "${AHEAD_KEEP:-}" ]; then
     [ -f "$M" ] && mv "$M" "$W/aside/"
     ahead_ready --work "$W/mlx" --out "$OUT/ahead-mlx.json"
@@ -173,9 +177,8 @@ case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first 
   # $OUT), then a first start and a later one with the merged manifest
   model 70b
   W=/tmp/omlx-ahead70; rm -rf "$W"
-  M=appliance/kernels/ahead/mlx-$(python3 -c 'import mlx.core as mx; print(mx.__version__)').json
-  ready70() { step python3 bench/start_to_ready.py /tmp/llama-70b-4bit --profile "$OMLX_PROFILE" --tokens 4000 \
-    --fresh-kernel-caches --hit-repeats 1 "$@" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up)_s"|ahead|warmed up'; }
+  M=$(manifest)
+  ready70() { first_start /tmp/llama-70b-4bit 4000 "$@"; }
   ready70 --work "$W/shipped" --out "$OUT/ahead70-shipped.json"
   python3 bench/kernels_ahead.py record "$W/shipped/ptx" --out "$M" && cp "$M" "$OUT/"
   ready70 --work "$W/merged" --out "$OUT/ahead70-merged.json"
