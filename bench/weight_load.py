@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from appliance.models.weights import ALIGN, PinnedLoader, load_mlx, tensors, weight_files  # noqa: E402
+from appliance.models.headers import tensors, weight_files  # noqa: E402
+from appliance.models.weights import ALIGN, PinnedLoader, load_mlx  # noqa: E402
 from appliance.platform import limit_device_memory  # noqa: E402
 
 # A fresh process: omlx's first imports, then mlx-lm's import and MLX's load of the files,

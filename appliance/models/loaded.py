@@ -19,9 +19,10 @@ from appliance.cache.keys import DEFAULT_TENANT
 from appliance.models import preload
 from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
+from appliance.models.headers import weight_files
 from appliance.models.native_linear import native_linear_here
 from appliance.models.pieces import PieceEncoder
-from appliance.models.weights import load_weights, weight_files
+from appliance.models.weights import load_weights
 from appliance.platform import resolve_dtype
 from appliance.spec import ModelSpec
 

@@ -72,9 +72,10 @@ def _preload(config: LoadedConfig, checked: Future) -> Preloaded | None:
 
     if not mx.cuda.is_available():
         return None
+    from appliance.models.headers import weight_files
     from appliance.models.memory import check_memory
     from appliance.models.source import describe_source, materialize
-    from appliance.models.weights import load_weights, weight_files
+    from appliance.models.weights import load_weights
 
     spec, base_dir = config.spec, config.base_dir
     model, cache_dir = spec.default_model, spec.cache.path(base_dir)

@@ -15,10 +15,8 @@ it does not know, a read) is logged, and `mx.load` reads the files instead.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import struct
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -33,6 +31,7 @@ from appliance.kernels.cubins import compiled, source
 from appliance.kernels.gate import GATE
 from appliance.kernels.kv_move import THREADS, grid
 from appliance.kernels.pinned import PinnedBuffer
+from appliance.models.headers import Tensor, tensors
 
 log = logging.getLogger("omlx.models")
 
@@ -49,16 +48,6 @@ STAGING_BYTES = 512 << 20  # each of the two staging buffers, raised to the larg
 PIECE_BYTES = 64 << 20  # what one reader thread reads at once
 NUM_READERS = 4
 ALIGN = 256  # each tensor's place in a staging buffer
-
-
-class Tensor(NamedTuple):
-    """One tensor of a safetensors file, as the file's header describes it."""
-
-    name: str
-    dtype: str  # the file's name for it: BF16, F32, U32...
-    shape: tuple[int, ...]
-    offset: int  # of its first byte in the file
-    nbytes: int
 
 
 class Staged(NamedTuple):
@@ -81,23 +70,6 @@ class Weights:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """Returns the safetensors files mlx-lm loads from a model directory (model*.safetensors)."""
-    return sorted(model_dir.glob("model*.safetensors"))
-
-
-def tensors(path: Path) -> list[Tensor]:
-    """Returns the tensors of a safetensors file, in the order of their bytes in the file."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    start = 8 + header_len
-    listed = [Tensor(name, t["dtype"], tuple(t["shape"]), start + t["data_offsets"][0],
-                     t["data_offsets"][1] - t["data_offsets"][0])
-              for name, t in header.items() if name != "__metadata__"]
-    return sorted(listed, key=lambda t: t.offset)
 
 
 def load_weights(files: Sequence[Path], *, pinned: bool | None = None, staging_bytes: int = STAGING_BYTES,

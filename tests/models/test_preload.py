@@ -13,8 +13,9 @@ from mlx.utils import tree_flatten
 
 from appliance.config import LoadedConfig, load_spec
 from appliance.models import preload
+from appliance.models.headers import weight_files
 from appliance.models.loaded import load_model
-from appliance.models.weights import load_mlx, weight_files
+from appliance.models.weights import load_mlx
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,8 +24,9 @@ from mlx_lm.utils import save_model
 
 from appliance.kernels.cuda_driver import CudaError
 from appliance.models import weights
+from appliance.models.headers import tensors, weight_files
 from appliance.models.loaded import load_model, load_with_weights
-from appliance.models.weights import ALIGN, DTYPES, load_mlx, load_weights, plan, read_into, tensors, weight_files
+from appliance.models.weights import ALIGN, DTYPES, load_mlx, load_weights, plan, read_into
 from appliance.spec import ModelSpec
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the pinned path is CUDA only; no CUDA here")
