@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -63,12 +64,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if loaded is None:
         return 1
     from appliance.kernels import ahead
-    from appliance.models import preload
+    from appliance.models import kinds, preload
 
     os.umask(0o077)  # before the threads below create files: the cache holds other people's prompts
     platform.configure_logging()  # the preload's lines too
     preload.start(loaded)  # the default model's weights, while the server's imports run (CUDA)
-    ahead.start(loaded.spec.cache.path(loaded.base_dir))  # MLX's kernels a machine lacks, beside them (CUDA)
+    default = loaded.spec.default_model  # MLX's kernels a machine lacks, for its weights, beside them (CUDA)
+    ahead.start(loaded.spec.cache.path(loaded.base_dir),
+                functools.partial(kinds.expected, default.source, dtype=default.dtype, base_dir=loaded.base_dir))
     from appliance.server.runner import serve
 
     status = serve(loaded)

@@ -28,7 +28,7 @@ from appliance.kernels import ahead
 from appliance.kernels.registry import apply as select_kernels
 from appliance.kernels.registry import report as kernel_report
 from appliance.kernels.registry import switch as switch_kernels
-from appliance.models import preload
+from appliance.models import kinds, preload
 from appliance.models.fingerprint import start_fingerprint, weights_fingerprint
 from appliance.models.loaded import LoadedModel, load_model
 from appliance.models.memory import check_memory
@@ -177,7 +177,7 @@ class Appliance:
             loaded = load_model(entry.spec, base_dir=config.base_dir, cache_dir=cache_dir, beside=beside)
             if store is not None:
                 store.probe_ssd()  # the disk, now that the load no longer reads it
-            ahead.wait()  # the model's first forward pass: MLX's kernels compiled ahead are all there
+            ahead.wait(kinds.of_model(loaded.model))  # the first forward pass: MLX's kernels compiled ahead are there
             layout = probe_layout(loaded.model)  # MLX work: before the engine's own work starts
             expect(layout)
             pin_ahead()  # unless the stand-in's layout started it: beside the warm-up, not the first request

@@ -29,7 +29,7 @@ from appliance.cache.kv import KVLayout, probe_layout
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.warm_up import Laps, described, warm_up
 from appliance.kernels import ahead
-from appliance.models import preload
+from appliance.models import kinds, preload
 from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.loaded import DTYPES, LoadedModel, cast, context_tokens
@@ -97,7 +97,7 @@ def warm_up_stand_in(spec: ModelSpec, path: Path, dtype: str | None, limits: Bat
             log.info("model %s: no stand-in; its shapes warm up after the load", spec.name)
             return False
         laps.lap("stand-in load")
-        ahead.wait()  # its first forward pass: MLX's kernels compiled ahead are all there
+        ahead.wait(kinds.of_model(stand_in.model))  # its first forward pass: MLX's kernels compiled ahead are there
         with mx.stream(generation_stream):
             layout = probe_layout(stand_in.model)
         if layout is not None and on_layout is not None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from appliance.cache.kv import KVBlock, build_batch_cache
@@ -23,6 +22,7 @@ from appliance.cache.model_cache import Restored
 from appliance.engine.request import GenerationRequest, SamplingParams
 from appliance.engine.scheduler import GPU_SHAPE_TOKENS, MIN_SHAPE_TOKENS, Generated, Scheduler, start_budget
 from appliance.engine.slot import Slot
+from appliance.models import kinds
 from appliance.models.loaded import LoadedModel
 from appliance.platform import device_kind, kernel_dir, wanted_here
 from appliance.spec import BatchingSpec
@@ -133,8 +133,7 @@ def batch_changes_mark(model: nn.Module) -> Path | None:
     directory = kernel_dir()
     if directory is None:
         return None
-    kinds = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters())})
-    return directory / f"omlx-batch-changes-v{BATCH_CHANGES_VERSION}-{'-'.join(kinds)}"
+    return directory / f"omlx-batch-changes-v{BATCH_CHANGES_VERSION}-{'-'.join(kinds.of_model(model))}"
 
 
 def restored_from(row: Generated) -> Restored:

@@ -8,10 +8,14 @@ launch of every thread waits on: a machine's first start spent 14-23 s of its wa
 on H100s and an H200, where a later start needs none (BENCHMARKS.md, "start to ready").
 
 A manifest (kernels/ahead/mlx-VERSION.json) lists the modules a first start compiles, as
-recorded from MLX's own cache: each module's name, source and kernels. `start` compiles the
-ones missing from the cache, each in a process of its own, as many at once as there are
-cores, while the server imports and loads its model, and writes them as MLX does; the
-model's first forward pass `wait`s for it, and MLX then reads them instead of compiling.
+recorded from MLX's own cache: each module's name, source and kernels, and the kinds of
+weights (models/kinds.py) of the models that need it: a bfloat16 model's gathers, a 4-bit
+model's quantized matmuls (~45 s each to compile on an H100's host, one kernel each).
+`start` compiles those the default model needs and the cache lacks, each in a process of
+its own, as many at once as there are cores, while the server imports and loads its model,
+and writes them as MLX does; a model's first forward pass `wait`s for those of its own kinds
+(asking for them where the default model's were others), and MLX then reads them instead
+of compiling: a bfloat16 model never waits for a quantized model's matmuls.
 Same source, same headers (MLX's own, read from libmlx: kernels/libmlx.py), same flags
 (and NVRTC's optimizations split over the cores): MLX's own cubin, but for the note that
 records the flags and the names NVRTC gives internal symbols, which differ between any two
@@ -33,8 +37,10 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
@@ -58,6 +64,15 @@ class Module:
     name: str
     source: str
     kernels: tuple[str, ...]  # the name expressions MLX asks NVRTC to lower (kernel templates' instances)
+    kinds: tuple[str, ...] = ()  # the kinds of weights (models/kinds.py) of the models that need it; (): all
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One of omlx's marks kept among MLX's kernels, and the kinds of weights it is for."""
+
+    name: str
+    kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,12 @@ class Manifest:
     mlx: str  # MLX's version
     build: str  # libmlx's SHA-256, as its wheel's RECORD gives it
     modules: tuple[Module, ...]
-    marks: tuple[str, ...] = ()  # omlx's marks that were kept beside the modules when they were recorded
+    marks: tuple[Mark, ...] = ()  # omlx's marks that were kept beside the modules when they were recorded
+
+
+def applies(item: Module | Mark, kinds: tuple[str, ...] | None) -> bool:
+    """Returns whether a model of weights of `kinds` needs `item` (None: any model does)."""
+    return kinds is None or set(item.kinds) <= set(kinds)
 
 
 @dataclass
@@ -85,9 +105,9 @@ def module_path(directory: Path, name: str) -> Path:
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
-def record(directory: Path, *, mlx: str, build: str) -> Manifest:
+def record(directory: Path, *, mlx: str, build: str, kinds: tuple[str, ...] = ()) -> Manifest:
     """Returns the manifest of the modules MLX has compiled into `directory` (those whose
-    source it kept) and of omlx's marks there."""
+    source it kept) and of omlx's marks there, each for models of weights of `kinds`."""
     modules = []
     for ptx in sorted(directory.rglob("*.ptx")):
         source, names = ptx.with_suffix(".cu"), ptx.with_suffix(".txt")
@@ -95,31 +115,43 @@ def record(directory: Path, *, mlx: str, build: str) -> Manifest:
             continue
         name = "".join(ptx.relative_to(directory).with_suffix("").parts)
         kernels = tuple(line.split("\t", 1)[0] for line in names.read_text().splitlines() if "\t" in line)
-        modules.append(Module(name, source.read_text(), kernels))
-    marks = tuple(sorted(p.name for p in directory.glob(f"{MARK_PREFIX}*") if p.is_file()))
+        modules.append(Module(name, source.read_text(), kernels, kinds))
+    marks = tuple(Mark(p.name, kinds) for p in sorted(directory.glob(f"{MARK_PREFIX}*")) if p.is_file())
     return Manifest(mlx=mlx, build=build, modules=tuple(modules), marks=marks)
 
 
 def dump(manifest: Manifest) -> bytes:
-    return orjson.dumps({"mlx": manifest.mlx, "build": manifest.build, "marks": list(manifest.marks),
-                         "modules": [{"name": m.name, "source": m.source, "kernels": list(m.kernels)}
-                                     for m in manifest.modules]}, option=orjson.OPT_INDENT_2)
+    return orjson.dumps({"mlx": manifest.mlx, "build": manifest.build,
+                         "marks": [{"name": m.name, "kinds": list(m.kinds)} for m in manifest.marks],
+                         "modules": [{"name": m.name, "kinds": list(m.kinds), "source": m.source,
+                                      "kernels": list(m.kernels)} for m in manifest.modules]},
+                        option=orjson.OPT_INDENT_2)
 
 
 def load(path: Path) -> Manifest:
     raw = orjson.loads(path.read_bytes())
-    return Manifest(mlx=raw["mlx"], build=raw["build"], marks=tuple(raw.get("marks", ())),
-                    modules=tuple(Module(m["name"], m["source"], tuple(m["kernels"])) for m in raw["modules"]))
+    return Manifest(mlx=raw["mlx"], build=raw["build"],
+                    marks=tuple(Mark(m["name"], tuple(m["kinds"])) for m in raw.get("marks", ())),
+                    modules=tuple(Module(m["name"], m["source"], tuple(m["kernels"]), tuple(m["kinds"]))
+                                  for m in raw["modules"]))
 
 
 def merged(first: Manifest, second: Manifest) -> Manifest:
     """Returns the modules and marks of both (of one build): two recordings, e.g. of models
-    of other dtypes."""
+    of other kinds of weights. What both hold is for the kinds both recordings had: a module
+    of a bfloat16 model's and of a quantized bfloat16 model's is for every bfloat16 model."""
     if (first.mlx, first.build) != (second.mlx, second.build):
         raise ValueError(f"manifests of two MLX builds: {first.mlx} {first.build}, {second.mlx} {second.build}")
-    modules = {m.name: m for m in (*first.modules, *second.modules)}
-    return Manifest(first.mlx, first.build, tuple(modules[n] for n in sorted(modules)),
-                    tuple(sorted({*first.marks, *second.marks})))
+
+    def union(*items):
+        kept = {}
+        for item in items:
+            before = kept.get(item.name)
+            kept[item.name] = item if before is None else replace(
+                item, kinds=tuple(sorted(set(before.kinds) & set(item.kinds))))
+        return tuple(kept[n] for n in sorted(kept))
+
+    return Manifest(first.mlx, first.build, union(*first.modules, *second.modules), union(*first.marks, *second.marks))
 
 
 def manifest_for(mlx: str, build: str | None) -> Manifest | None:
@@ -146,44 +178,79 @@ def compile_flags(arch: str, library: Path, *, split: bool = True) -> tuple[str,
     return (*mlx, "--split-compile=0") if split and version() >= (12, 1) else mlx
 
 
-def compile_ahead(manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
-                  workers: int) -> Report:
-    """Compiles the modules of `manifest` that `directory` lacks, `workers` at a time, each
-    in a process of its own, and writes each as MLX would; when every module is then
-    there, writes the manifest's marks too. Returns what it did; a module that fails is
-    left to MLX. (Processes, since NVRTC compiles one program at a time in a process: two
-    threads took as long as one after the other.)"""
-    started = time.perf_counter()
-    report = Report()
-    todo = [m for m in manifest.modules if not module_path(directory, m.name).is_file()]
-    report.present = len(manifest.modules) - len(todo)
-    todo.sort(key=lambda m: -len(m.kernels))  # the most instances take longest (gather_axis: 88, 5.9 s): first
+class Compiles:
+    """The modules of `manifest` that `directory` lacks, compiled on request, by the kinds
+    of weights of the models that need them, each once, `workers` at a time, each in a
+    process of its own (NVRTC compiles one program at a time in a process: two threads took
+    as long as one after the other), and written as MLX would. A module that fails is left
+    to MLX. A mark is written once every module for its kinds is there."""
 
-    def build(module: Module) -> None:
+    def __init__(self, manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
+                 workers: int):
+        self.manifest, self.directory = manifest, directory
+        self.report = Report(workers=max(1, workers))
+        self._job = {"directory": str(directory), "flags": flags, "headers": headers}
+        self._pool = ThreadPoolExecutor(self.report.workers, thread_name_prefix="kernels-ahead")
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def request(self, kinds: tuple[str, ...] | None) -> list[Future]:
+        """Starts compiling what a model of weights of `kinds` (None: any model) needs and
+        no request asked for before; returns the futures of all it needs."""
+        wanted = [m for m in self.manifest.modules if applies(m, kinds)]
+        with self._lock:
+            new = [m for m in wanted if m.name not in self._futures]
+            for module in sorted(new, key=lambda m: -len(m.kernels)):  # the most instances take longest: first
+                if module_path(self.directory, module.name).is_file():
+                    self.report.present += 1
+                    self._futures[module.name] = done = Future()
+                    done.set_result(None)
+                else:
+                    self._futures[module.name] = self._pool.submit(self._build, module)
+            futures = [self._futures[m.name] for m in wanted]
+        self._mark()
+        return futures
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _build(self, module: Module) -> None:
         began = time.perf_counter()
-        job = orjson.dumps({"directory": str(directory), "flags": flags, "headers": headers,
-                            "module": {"name": module.name, "source": module.source, "kernels": module.kernels}})
+        job = orjson.dumps({**self._job, "module": {"name": module.name, "source": module.source,
+                                                    "kernels": module.kernels}})
         try:
             done = subprocess.run([sys.executable, "-m", __name__], input=job, capture_output=True,
                                   timeout=MODULE_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
-            report.failed[module.name] = str(e)
+            self.report.failed[module.name] = str(e)
             return
         if done.returncode != 0:
-            report.failed[module.name] = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
+            self.report.failed[module.name] = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
             return
-        report.compiled[module.name] = round(time.perf_counter() - began, 3)
+        self.report.compiled[module.name] = round(time.perf_counter() - began, 3)
+        self._mark()
 
-    report.workers = max(1, min(workers, len(todo)))
-    if todo:
-        with ThreadPoolExecutor(report.workers, thread_name_prefix="kernels-ahead") as pool:
-            list(pool.map(build, todo))
-    if not report.failed:
-        for mark in manifest.marks:
-            try:
-                (directory / mark).touch()
-            except OSError:
-                pass
+    def _mark(self) -> None:
+        there = {m.name for m in self.manifest.modules if module_path(self.directory, m.name).is_file()}
+        for mark in self.manifest.marks:
+            if all(m.name in there for m in self.manifest.modules if applies(m, mark.kinds)):
+                try:
+                    (self.directory / mark.name).touch()
+                except OSError:
+                    pass
+
+
+def compile_ahead(manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
+                  workers: int, kinds: tuple[str, ...] | None = None) -> Report:
+    """Compiles what a model of weights of `kinds` (None: any model) needs of `manifest`
+    and `directory` lacks, as `Compiles` does; returns what it did."""
+    started = time.perf_counter()
+    compiles = Compiles(manifest, directory, flags=flags, headers=headers, workers=workers)
+    futures = compiles.request(kinds)
+    wait_all(futures)
+    compiles.close()
+    report = compiles.report
+    report.workers = max(1, min(workers, len(futures) - report.present))
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -215,30 +282,52 @@ def write(directory: Path, module: Module, cubin: bytes, lowered: list[tuple[str
             raise
 
 
-_done: threading.Event | None = None
+_prepared: threading.Event | None = None  # set once `start` knows what, if anything, compiles here
+_compiles: Compiles | None = None
 
 
-def start(cache_dir: Path) -> None:
-    """Starts compiling ahead, on a thread, the MLX kernels this machine lacks (CUDA only):
-    `omlx serve` calls it once its config is parsed."""
-    global _done
-    done = _done = threading.Event()
+def start(cache_dir: Path, expect: Callable[[], tuple[str, ...] | None] = lambda: None) -> None:
+    """Starts compiling ahead, on a thread, the MLX kernels this machine lacks (CUDA only)
+    for a model of the kinds of weights `expect` returns (models/kinds.py; None, where they
+    are not known: every module): `omlx serve` calls it once its config is parsed, with
+    its default model's kinds. A model of other kinds asks for its own (`wait`)."""
+    global _prepared, _compiles
+    prepared = _prepared = threading.Event()
+    _compiles = None
 
     def run() -> None:
+        global _compiles
         try:
-            here(cache_dir)
+            compiles = _compiles = prepare(cache_dir)
+            prepared.set()
+            if compiles is not None:
+                kinds = expect()
+                wait_all(compiles.request(kinds))
+                log_report(compiles, kinds, time.perf_counter() - began)
         except Exception:
             log.warning("MLX's kernels were not compiled ahead; MLX compiles them as it meets them", exc_info=True)
         finally:
-            done.set()
+            prepared.set()
 
+    began = time.perf_counter()
     threading.Thread(target=run, name="kernels-ahead", daemon=True).start()
 
 
-def here(cache_dir: Path) -> Report | None:
-    """Compiles ahead what this machine's MLX kernel cache lacks; None where nothing applies
-    (no manifest for this MLX build, no GPU). MLX is not imported: its import (1.3 s on an
-    H100 machine) would delay the compiles, which are a first start's longest part."""
+def log_report(compiles: Compiles, kinds: tuple[str, ...] | None, seconds: float) -> None:
+    report = compiles.report
+    slowest = max(report.compiled.items(), key=lambda item: item[1], default=("-", 0.0))
+    log.info("MLX's kernels compiled ahead for %s weights: %d of %d in %.2f s in %d processes (%d there already; "
+             "slowest %s, %.2f s)%s", "+".join(kinds) if kinds else "any", len(report.compiled),
+             len(compiles.manifest.modules), seconds, min(report.workers, len(report.compiled) + len(report.failed)),
+             report.present, slowest[0][:40], slowest[1],
+             f"; {len(report.failed)} left to MLX: {report.failed}" if report.failed else "")
+
+
+def prepare(cache_dir: Path) -> Compiles | None:
+    """Returns the compiles of what this machine's MLX kernel cache lacks, none started;
+    None where nothing applies (no manifest for this MLX build, no GPU). MLX is not
+    imported: its import (1.3 s on an H100 machine) would delay the compiles, which are a
+    first start's longest part."""
     from appliance import platform
     from appliance.kernels.cuda_driver import CudaError, compute_capability
 
@@ -253,25 +342,26 @@ def here(cache_dir: Path) -> Report | None:
         log.debug("no GPU to compile MLX's kernels for: %s", e)
         return None
     platform.keep_compiled_kernels(cache_dir)  # unless the environment names a dir
-    directory = platform.mlx_kernel_dir()
-    if all(module_path(directory, m.name).is_file() for m in manifest.modules):
-        return Report(present=len(manifest.modules))
-    report = compile_ahead(manifest, directory, flags=compile_flags(arch, library), headers=libmlx.headers(library),
-                           workers=os.cpu_count() or 1)
-    slowest = max(report.compiled.items(), key=lambda item: item[1], default=("-", 0.0))
-    log.info("MLX's kernels compiled ahead: %d of %d in %.2f s in %d processes (%d there already; slowest %s, "
-             "%.2f s)%s", len(report.compiled), len(manifest.modules), report.seconds, report.workers,
-             report.present, slowest[0][:40], slowest[1],
-             f"; {len(report.failed)} left to MLX: {report.failed}" if report.failed else "")
-    return report
+    return Compiles(manifest, platform.mlx_kernel_dir(), flags=compile_flags(arch, library),
+                    headers=libmlx.headers(library), workers=os.cpu_count() or 1)
 
 
-def wait(timeout: float = WAIT_S) -> None:
-    """Waits for `start`'s compiles, if any, before a model's first forward pass: MLX would
-    otherwise compile a module of them again, on its own."""
-    done = _done
-    if done is not None and not done.wait(timeout):
-        log.warning("MLX's kernels still compiling ahead after %.0f s; going on without them", timeout)
+def wait(kinds: tuple[str, ...], timeout: float = WAIT_S) -> None:
+    """Waits, before a model's first forward pass, for what a model of weights of `kinds`
+    needs of the compiles ahead, asking for it first where `start` did not: MLX would
+    otherwise compile such a module again, on its own, or one after the other."""
+    prepared = _prepared
+    if prepared is None:
+        return
+    deadline = time.monotonic() + timeout
+    prepared.wait(timeout)
+    compiles = _compiles
+    if compiles is None:
+        return
+    _, pending = wait_all(compiles.request(kinds), timeout=max(0.0, deadline - time.monotonic()))
+    if pending:
+        log.warning("MLX's kernels for %s weights still compiling ahead after %.0f s; going on without them",
+                    "+".join(kinds), timeout)
 
 
 def main() -> int:

@@ -20,12 +20,16 @@ FLAGS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90a", "--
 ELF = b"\x7fELF"
 
 
-def module(name: str, source: str = SOURCE) -> ahead.Module:
-    return ahead.Module(name, source, ("mlx::core::cu::scale<float, 2>", "mlx::core::cu::scale<int, 3>"))
+BF16, QUANTIZED = ("bfloat16",), ("bfloat16", "uint32")
 
 
-def manifest(*modules: ahead.Module, marks: tuple[str, ...] = ()) -> ahead.Manifest:
-    return ahead.Manifest(mlx="0.0.1", build="build-a", modules=modules, marks=marks)
+def module(name: str, source: str = SOURCE, kinds: tuple[str, ...] = ()) -> ahead.Module:
+    return ahead.Module(name, source, ("mlx::core::cu::scale<float, 2>", "mlx::core::cu::scale<int, 3>"), kinds)
+
+
+def manifest(*modules: ahead.Module, marks: tuple[str | ahead.Mark, ...] = ()) -> ahead.Manifest:
+    return ahead.Manifest(mlx="0.0.1", build="build-a", modules=modules,
+                          marks=tuple(ahead.Mark(m) if isinstance(m, str) else m for m in marks))
 
 
 def test_a_module_is_kept_where_mlx_keeps_it_long_names_in_directories(tmp_path):
@@ -49,8 +53,33 @@ def test_the_modules_compile_each_in_a_process_and_record_back_as_they_were(tmp_
     assert (tmp_path / "omlx-batch-changes-v2-bfloat16").is_file()  # every module there: the mark too
     assert not list(tmp_path.rglob(".ahead-*"))  # no temporary file left
     again = ahead.record(tmp_path, mlx="0.0.1", build="build-a")
-    assert again == ahead.Manifest("0.0.1", "build-a", (module("first"), module(long)),
-                                   ("omlx-batch-changes-v2-bfloat16",))
+    assert again == manifest(module("first"), module(long), marks=("omlx-batch-changes-v2-bfloat16",))
+    tagged = ahead.record(tmp_path, mlx="0.0.1", build="build-a", kinds=BF16)
+    assert tagged == manifest(module("first", kinds=BF16), module(long, kinds=BF16),
+                              marks=(ahead.Mark("omlx-batch-changes-v2-bfloat16", BF16),))
+
+
+@pytest.mark.usefixtures("needs_nvrtc")
+def test_a_model_gets_the_modules_of_its_kinds_of_weights_and_its_marks_once_they_are_there(tmp_path):
+    plain, quantized = ahead.Mark("omlx-plain", BF16), ahead.Mark("omlx-quantized", QUANTIZED)
+    wanted = manifest(module("gather", kinds=BF16), module("qmm", kinds=QUANTIZED), module("any"),
+                      marks=(plain, quantized))
+    compiles = ahead.Compiles(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=2)
+    try:
+        for future in compiles.request(BF16):  # a bfloat16 model's: not the quantized matmul
+            future.result(timeout=120)
+        assert set(compiles.report.compiled) == {"gather", "any"}
+        assert (tmp_path / "omlx-plain").is_file() and not (tmp_path / "omlx-quantized").exists()
+        assert len(compiles.request(("float16",))) == 1  # "any" alone, compiled already: nothing starts
+        assert set(compiles.report.compiled) == {"gather", "any"}
+        for future in compiles.request(QUANTIZED):  # then a quantized model's: what it lacks
+            future.result(timeout=120)
+        assert set(compiles.report.compiled) == {"gather", "any", "qmm"}
+        assert (tmp_path / "omlx-quantized").is_file()
+    finally:
+        compiles.close()
+    report = ahead.compile_ahead(wanted, tmp_path, flags=FLAGS, headers=HEADERS, workers=2, kinds=QUANTIZED)
+    assert report.present == 3 and report.compiled == {}
 
 
 @pytest.mark.usefixtures("needs_nvrtc")
@@ -83,8 +112,9 @@ def test_a_cache_dir_that_cannot_be_written_leaves_every_module_to_mlx(tmp_path)
 
 def test_a_manifest_applies_only_to_the_build_it_was_recorded_with(tmp_path, monkeypatch):
     monkeypatch.setattr(ahead, "MANIFESTS", tmp_path)
-    (tmp_path / "mlx-0.0.1.json").write_bytes(ahead.dump(manifest(module("first"), marks=("omlx-m",))))
-    assert ahead.manifest_for("0.0.1", "build-a") == manifest(module("first"), marks=("omlx-m",))
+    kept = manifest(module("first", kinds=QUANTIZED), marks=(ahead.Mark("omlx-m", BF16),))
+    (tmp_path / "mlx-0.0.1.json").write_bytes(ahead.dump(kept))
+    assert ahead.manifest_for("0.0.1", "build-a") == kept
     assert ahead.manifest_for("0.0.1", "build-b") is None
     assert ahead.manifest_for("0.0.1", None) is None
     assert ahead.manifest_for("0.0.2", "build-a") is None
@@ -101,6 +131,12 @@ def test_the_shipped_manifests_load_and_are_of_the_version_they_are_named_for():
 def test_two_recordings_of_one_build_merge_and_of_two_do_not():
     first, second = manifest(module("b"), marks=("omlx-x",)), manifest(module("a"), module("b"), marks=("omlx-y",))
     assert ahead.merged(first, second) == manifest(module("a"), module("b"), marks=("omlx-x", "omlx-y"))
+    plain = manifest(module("gather", kinds=BF16), marks=(ahead.Mark("omlx-x", BF16),))
+    quantized = manifest(module("gather", kinds=QUANTIZED), module("qmm", kinds=QUANTIZED),
+                         marks=(ahead.Mark("omlx-x", QUANTIZED), ahead.Mark("omlx-y", QUANTIZED)))
+    assert ahead.merged(plain, quantized) == manifest(  # what both recorded is for the kinds both had
+        module("gather", kinds=BF16), module("qmm", kinds=QUANTIZED),
+        marks=(ahead.Mark("omlx-x", BF16), ahead.Mark("omlx-y", QUANTIZED)))
     with pytest.raises(ValueError, match="two MLX builds"):
         ahead.merged(first, ahead.Manifest("0.0.1", "build-b", ()))
 
@@ -122,7 +158,7 @@ def test_mlx_compiles_for_the_architecture_specific_target_from_hopper_on():
 
 
 def test_off_cuda_nothing_is_compiled_and_a_wait_returns_at_once(tmp_path):
-    assert ahead.here(tmp_path) is None  # the CPU build: no CUDA
-    ahead.start(tmp_path)
-    ahead.wait(timeout=30)
-    assert ahead._done is not None and ahead._done.is_set()
+    assert ahead.prepare(tmp_path) is None  # the CPU build: no CUDA
+    ahead.start(tmp_path, lambda: BF16)
+    ahead.wait(BF16, timeout=30)
+    assert ahead._prepared is not None and ahead._prepared.is_set() and ahead._compiles is None
