@@ -159,30 +159,32 @@ case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance
   if [ -z "${AHEAD_KEEP:-}" ]; then
     [ -f "$M" ] && mv "$M" "$W/aside/"
     ahead_ready --work "$W/mlx" --out "$OUT/ahead-mlx.json"
-    python3 bench/kernels_ahead.py record "$W/mlx/ptx" --out "$M" && cp "$M" "$OUT/"
+    [ -f "$W/aside/${M##*/}" ] && mv "$W/aside/${M##*/}" "$M"  # what MLX compiled merges into it
+    python3 bench/kernels_ahead.py record "$W/mlx/ptx" --model /tmp/llama-8b --out "$M" && cp "$M" "$OUT/"
   fi
-  step python3 bench/kernels_ahead.py compile "$W/ours" --workers 16 | tee "$OUT/ahead-compile-16.json" | tail -4
-  [ -n "${AHEAD_SERIAL:-}" ] && step python3 bench/kernels_ahead.py compile "$W/one" --workers 1 \
-    | tee "$OUT/ahead-compile-1.json" | tail -4
+  step python3 bench/kernels_ahead.py compile "$W/ours" --model /tmp/llama-8b --workers 16 \
+    | tee "$OUT/ahead-compile-16.json" | tail -4
+  [ -n "${AHEAD_SERIAL:-}" ] && step python3 bench/kernels_ahead.py compile "$W/one" --model /tmp/llama-8b \
+    --workers 1 | tee "$OUT/ahead-compile-1.json" | tail -4
   [ -d "$W/mlx/ptx" ] && python3 bench/kernels_ahead.py compare "$W/mlx/ptx" "$W/ours" | tee "$OUT/ahead-compare.json"
   if [ -n "${AHEAD_KEEP:-}" ]; then  # ours with MLX's flags alone (the same as MLX's, in earlier runs) against ours
-    step python3 bench/kernels_ahead.py compile "$W/plain" --mlx-flags | tee "$OUT/ahead-compile-plain.json" | tail -4
+    step python3 bench/kernels_ahead.py compile "$W/plain" --model /tmp/llama-8b --mlx-flags \
+      | tee "$OUT/ahead-compile-plain.json" | tail -4
     python3 bench/kernels_ahead.py compare "$W/plain" "$W/ours" | tee "$OUT/ahead-compare-plain.json"
   fi
   ahead_ready --work "$W/first" --out "$OUT/ahead-first.json"
   ahead_ready --work "$W/first" --out "$OUT/ahead-later.json"
   ls "$W/first/ptx" | head -40 ;; esac
-case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first start with the manifest as it is
-  # (MLX compiles what it lacks: the quantized matmuls), what MLX compiled merged into the manifest (this tree and
-  # $OUT), then a first start and a later one with the merged manifest
+case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first start with the manifest (its
+  # quantized matmuls compiled ahead for its kinds of weights), what MLX compiled beside merged into the manifest
+  # (this tree and $OUT: nothing new, where the manifest holds all a first start needs), then a later start
   model 70b
   W=/tmp/omlx-ahead70; rm -rf "$W"
   M=$(manifest)
   ready70() { first_start /tmp/llama-70b-4bit 4000 "$@"; }
-  ready70 --work "$W/shipped" --out "$OUT/ahead70-shipped.json"
-  python3 bench/kernels_ahead.py record "$W/shipped/ptx" --out "$M" && cp "$M" "$OUT/"
-  ready70 --work "$W/merged" --out "$OUT/ahead70-merged.json"
-  ready70 --work "$W/merged" --out "$OUT/ahead70-later.json" ;; esac
+  ready70 --work "$W/first" --out "$OUT/ahead70-first.json"
+  python3 bench/kernels_ahead.py record "$W/first/ptx" --model /tmp/llama-70b-4bit --out "$M" && cp "$M" "$OUT/"
+  ready70 --work "$W/first" --out "$OUT/ahead70-later.json" ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)

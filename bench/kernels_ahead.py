@@ -2,11 +2,13 @@
 own kernel cache, compile it into an empty one as many at once as asked, and compare
 what was compiled with what MLX compiled.
 
-    python bench/kernels_ahead.py record DIR --out appliance/kernels/ahead/mlx-VERSION.json
-    python bench/kernels_ahead.py compile DIR [--workers N] [--manifest FILE] [--mlx-flags]
+    python bench/kernels_ahead.py record DIR --model MODEL_DIR --out appliance/kernels/ahead/mlx-VERSION.json
+    python bench/kernels_ahead.py compile DIR [--model MODEL_DIR] [--workers N] [--manifest FILE] [--mlx-flags]
     python bench/kernels_ahead.py compare MLX_DIR OURS_DIR
 
-`record` merges into --out when that holds a manifest of the same build. `compile` prints
+`record` marks what it records as needed by models of the kinds of weights of the model
+that was served (appliance/models/kinds.py), and merges into --out when that holds a
+manifest of the same build (what both hold is for the kinds both had). `compile` prints
 each module's seconds and the whole. `compare` checks, per module both hold, the kernels'
 lowered names and every section of the cubins but two: the string table, where NVRTC's
 names of internal symbols carry a hash that differs between any two compiles (two
@@ -24,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.kernels import ahead, libmlx  # noqa: E402
+from appliance.models import kinds  # noqa: E402
 
 LOOSE = (".strtab", ".note.nv.tkinfo")  # internal symbols' names (hashed per compile); the flags NVRTC got
 
@@ -67,9 +70,11 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record")
     rec.add_argument("dir", type=Path)
+    rec.add_argument("--model", type=Path, required=True, help="the model whose start compiled them")
     rec.add_argument("--out", type=Path, required=True)
     com = sub.add_parser("compile")
     com.add_argument("dir", type=Path)
+    com.add_argument("--model", type=Path, default=None, help="what its weights need (default: every module)")
     com.add_argument("--workers", type=int, default=16)
     com.add_argument("--manifest", type=Path, default=None, help="default: the one shipped for this MLX")
     com.add_argument("--mlx-flags", action="store_true", help="MLX's flags alone (no --split-compile)")
@@ -83,14 +88,18 @@ def main() -> int:
         return 0
     version, build, library = installed_build()
     if args.command == "record":
-        manifest = ahead.record(args.dir, mlx=version, build=build)
+        model_kinds = kinds.expected(str(args.model.resolve()), dtype="auto", base_dir=Path.cwd())
+        if model_kinds is None:
+            raise SystemExit(f"the kinds of weights of {args.model} cannot be read")
+        manifest = ahead.record(args.dir, mlx=version, build=build, kinds=model_kinds)
         if args.out.is_file():
             kept = ahead.load(args.out)
             if (kept.mlx, kept.build) == (version, build):
                 manifest = ahead.merged(kept, manifest)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(ahead.dump(manifest))
-        print(json.dumps({"modules": [m.name for m in manifest.modules], "marks": manifest.marks,
+        print(json.dumps({"modules": {m.name: m.kinds for m in manifest.modules},
+                          "marks": {m.name: m.kinds for m in manifest.marks},
                           "bytes": args.out.stat().st_size}, indent=1))
         return 0
     from appliance.kernels.cuda_driver import compute_capability
@@ -101,7 +110,9 @@ def main() -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     headers = libmlx.headers(library)
     flags = ahead.compile_flags(ahead.architecture(*compute_capability()), library, split=not args.mlx_flags)
-    report = ahead.compile_ahead(manifest, args.dir, flags=flags, headers=headers, workers=args.workers)
+    wanted = kinds.expected(str(args.model.resolve()), dtype="auto", base_dir=Path.cwd()) if args.model else None
+    report = ahead.compile_ahead(manifest, args.dir, flags=flags, headers=headers, workers=args.workers,
+                                 kinds=wanted)
     print(json.dumps({"workers": report.workers, "seconds": report.seconds, "present": report.present,
                       "compiled": report.compiled, "failed": report.failed, "headers": len(headers)}, indent=1))
     return 0
