@@ -7,6 +7,7 @@ the work per token does not depend on the values.
 
     python bench/gpu_model.py --shape 8b --out /tmp/llama-8b [--tokenizer DIR]
     python bench/gpu_model.py --shape 70b --bits 4 --out /tmp/llama-70b-4bit [--tokenizer DIR]
+    python bench/gpu_model.py --shape 1b --dtype float32 --out /tmp/llama-1b-float32
 
 With --bits 4 or 8 the weights are quantized as mlx-lm's convert does (affine, group size
 64, Linear and Embedding layers, `quantization` in config.json) and saved as safetensors
@@ -146,6 +147,8 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
                         help="quantize (affine, group size 64) as mlx-lm's convert does; default: bf16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="of the float weights (float32: what a GGUF source converts to on a GPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokenizer", type=Path, default=None, help="a dir holding tokenizer.json etc.")
@@ -156,17 +159,18 @@ def main() -> int:
         mx.set_memory_limit(100 << 30)
     gb = 1 << 30
     expect = sizes(args.shape, bits=args.bits)
-    print(f"{args.shape} {args.bits or 16}-bit: expect {expect['model'] / gb:.2f} GiB of weights "
+    kind = f"{args.bits}-bit" if args.bits else args.dtype
+    print(f"{args.shape} {kind}: expect {expect['model'] / gb:.2f} GiB of weights "
           f"(bf16 model {expect['float_model'] / gb:.2f} GiB; largest module in float32 "
           f"{expect['module_float32'] / gb:.2f} GiB)", flush=True)
     mx.reset_peak_memory()
     started = time.perf_counter()
-    model, cfg = generate(args.shape, seed=args.seed, bits=args.bits)
+    model, cfg = generate(args.shape, seed=args.seed, dtype=args.dtype, bits=args.bits)
     built = time.perf_counter()
     generated_peak = mx.get_peak_memory()
     save(model, cfg, args.out, tokenizer_dir=args.tokenizer)
     on_disk = sum(f.stat().st_size for f in args.out.glob("model*.safetensors"))
-    print(f"{args.shape} {args.bits or 16}-bit: generated in {built - started:.1f} s "
+    print(f"{args.shape} {kind}: generated in {built - started:.1f} s "
           f"(peak {generated_peak / gb:.2f} GiB), saved to {args.out} in "
           f"{time.perf_counter() - built:.1f} s ({on_disk / gb:.2f} GiB; peak "
           f"{mx.get_peak_memory() / gb:.2f} GiB)", flush=True)

@@ -9,7 +9,7 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b
+#                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b,aheadf32
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -185,6 +185,16 @@ case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first 
   ready70 --work "$W/first" --out "$OUT/ahead70-first.json"
   python3 bench/kernels_ahead.py record "$W/first/ptx" --model /tmp/llama-70b-4bit --out "$M" && cp "$M" "$OUT/"
   ready70 --work "$W/first" --out "$OUT/ahead70-later.json" ;; esac
+case ",$STEPS," in *,aheadf32,*)  # item 1 for a float32 model (a GGUF source converts to float32 on a GPU: the
+  # quick start's model): a first start with MLX compiling what the manifest holds none of for it, what MLX
+  # compiled merged into the manifest (this tree and $OUT), then a first start with it
+  F=/tmp/llama-1b-float32
+  [ -d "$F" ] || python3 bench/gpu_model.py --shape 1b --dtype float32 --out "$F" --tokenizer .gpu/tok | tail -1
+  W=/tmp/omlx-aheadf32; rm -rf "$W"
+  M=$(manifest)
+  first_start "$F" 4000 --work "$W/mlx" --out "$OUT/aheadf32-mlx.json"
+  python3 bench/kernels_ahead.py record "$W/mlx/ptx" --model "$F" --out "$M" && cp "$M" "$OUT/"
+  first_start "$F" 4000 --work "$W/first" --out "$OUT/aheadf32-first.json" ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)
