@@ -21,14 +21,15 @@ from appliance.models.headers import tensors, weight_files
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-# safetensors dtype -> the MLX dtype mx.load reads it as (models/weights.DTYPES), by name
+# safetensors dtype -> the MLX dtype mx.load (MLX 0.32) reads it as, by name, its bytes unchanged
+# (FP8 stays raw bytes in uint8, as mx.load leaves it); models/weights.DTYPES is made from it
 SAFETENSORS_KINDS = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
     "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "C64": "complex64",
     "F8_E4M3": "uint8", "F8_E8M0": "uint8",
 }
 FLOATS = frozenset({"float16", "bfloat16", "float32"})
-GGUF_KIND = "float32"  # what a GGUF file converts to on a GPU unless the spec names a dtype (models/loaded.py)
+GGUF_KIND = "float32"  # what a GGUF file converts to unless the spec names a dtype (models/loaded.py)
 
 
 def of_model(model: nn.Module) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from appliance.cache.keys import DEFAULT_TENANT
-from appliance.models import preload
+from appliance.models import kinds, preload
 from appliance.models.compiled_blocks import compile_as_asked
 from appliance.models.fuse import fuse_as_asked
 from appliance.models.headers import weight_files
@@ -79,7 +79,7 @@ def load_model(spec: ModelSpec, *, base_dir: Path, cache_dir: Path,
 
     started = time.perf_counter()
     dtype = resolve_dtype(spec.dtype)
-    path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or "float32")
+    path = materialize(spec.source, base_dir=base_dir, cache_dir=cache_dir, dtype=dtype or kinds.GGUF_KIND)
     with contextlib.suppress(OSError):  # the KV cache's key, hashed while the weights load
         start_fingerprint(path, memo_dir=cache_dir)
     pending = preload.claim(spec.name)  # the weights `omlx serve` began to read at its start

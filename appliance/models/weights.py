@@ -32,17 +32,12 @@ from appliance.kernels.gate import GATE
 from appliance.kernels.kv_move import THREADS, grid
 from appliance.kernels.pinned import PinnedBuffer
 from appliance.models.headers import Tensor, tensors
+from appliance.models.kinds import SAFETENSORS_KINDS
 
 log = logging.getLogger("omlx.models")
 
 # safetensors dtype -> the MLX dtype mx.load (MLX 0.32) reads it as, its bytes unchanged
-# (FP8 stays raw bytes in uint8, as mx.load leaves it)
-DTYPES = {
-    "BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
-    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64,
-    "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "C64": mx.complex64,
-    "F8_E4M3": mx.uint8, "F8_E8M0": mx.uint8,
-}
+DTYPES = {name: mx.bool_ if kind == "bool" else getattr(mx, kind) for name, kind in SAFETENSORS_KINDS.items()}
 KERNEL = "omlx_copy_from_host"  # the extern "C" kernel of kernels/cuda/copy_from_host.cu
 STAGING_BYTES = 512 << 20  # each of the two staging buffers, raised to the largest tensor
 PIECE_BYTES = 64 << 20  # what one reader thread reads at once
