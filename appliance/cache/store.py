@@ -464,11 +464,12 @@ class KVStore:
         """Puts new blocks in memory and writes them through to the SSD behind the request."""
         # Device copies, one wait for all; the writer thread reads them out. (Pinned slots
         # stay for the host tier: copying there costs this thread the host link's time.)
-        written = to_bytes(self._fitting_writer(blocks), bits=self.kv_bits[SSD])
+        # Submitted before they go in: a block that memory evicts on the way to host memory
+        # and host memory to the SSD is then pending there, not written a second time.
+        for block in to_bytes(self._fitting_writer(blocks), bits=self.kv_bits[SSD]):
+            self.writer.submit(block)  # read out by the writer thread, not here
         for block in blocks:
             self.put_memory(block)
-        for block in written:  # read out by the writer thread, not here
-            self.writer.submit(block)
 
     def _fitting_writer(self, blocks: list[KVBlock]) -> list[KVBlock]:
         """Returns the first of `blocks` that the SSD writer's queue has room for; the rest
