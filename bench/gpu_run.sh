@@ -9,7 +9,8 @@
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
-#                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b,aheadf32
+#                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b,aheadf32,
+#                                  # aheadf16,ahead8,firstab
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -148,6 +149,14 @@ first_start() {  # first_start MODEL_DIR TOKENS [start_to_ready.py args]: a star
   step python3 bench/start_to_ready.py "$1" --profile "$OMLX_PROFILE" --tokens "$2" --fresh-kernel-caches \
     --hit-repeats 1 "${@:3}" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'
 }
+case ",$STEPS," in *,firstab,*)  # item 1: the 8B's first starts (empty kernel caches) with this tree against
+  # FIRSTAB_CODE (default .ab/OLD: a worktree of another commit, carried), in the order A B B A
+  model 8b
+  W=/tmp/omlx-firstab; rm -rf "$W"; i=0
+  for code in "${FIRSTAB_CODE:-.ab/OLD}" . . "${FIRSTAB_CODE:-.ab/OLD}"; do
+    i=$((i + 1)); name=$([ "$code" = . ] && echo this || basename "$code"); echo "start $i: $name"
+    first_start /tmp/llama-8b 4000 --code "$code" --work "$W/$i" --out "$OUT/firstab-$i-$name.json"
+  done ;; esac
 case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
   # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
   # (into this tree and $OUT); then the manifest compiled into an empty dir 16 at once (and one at a time with
@@ -185,16 +194,23 @@ case ",$STEPS," in *,ahead70b,*)  # item 1 for the 70B shape at 4 bits: a first 
   ready70 --work "$W/first" --out "$OUT/ahead70-first.json"
   python3 bench/kernels_ahead.py record "$W/first/ptx" --model /tmp/llama-70b-4bit --out "$M" && cp "$M" "$OUT/"
   ready70 --work "$W/first" --out "$OUT/ahead70-later.json" ;; esac
-case ",$STEPS," in *,aheadf32,*)  # item 1 for a float32 model (a GGUF source converts to float32 on a GPU: the
-  # quick start's model): a first start with MLX compiling what the manifest holds none of for it, what MLX
-  # compiled merged into the manifest (this tree and $OUT), then a first start with it
-  F=/tmp/llama-1b-float32
-  [ -d "$F" ] || python3 bench/gpu_model.py --shape 1b --dtype float32 --out "$F" --tokenizer .gpu/tok | tail -1
-  W=/tmp/omlx-aheadf32; rm -rf "$W"
+ahead_model() {  # ahead_model SHAPE DTYPE [BITS]: item 1 for a model of other kinds of weights than the 8B's: a
+  # first start with MLX compiling what the manifest holds none of for it, what MLX compiled merged into the
+  # manifest (this tree and $OUT), then a first start with it
+  F=/tmp/llama-$1-$2${3:+-$3bit}; N=${F#/tmp/llama-}
+  [ -d "$F" ] || python3 bench/gpu_model.py --shape "$1" --dtype "$2" ${3:+--bits "$3"} --out "$F" \
+    --tokenizer .gpu/tok | tail -1
+  W=/tmp/omlx-ahead-$N; rm -rf "$W"
   M=$(manifest)
-  first_start "$F" 4000 --work "$W/mlx" --out "$OUT/aheadf32-mlx.json"
+  first_start "$F" 4000 --work "$W/mlx" --out "$OUT/ahead-$N-mlx.json"
   python3 bench/kernels_ahead.py record "$W/mlx/ptx" --model "$F" --out "$M" && cp "$M" "$OUT/"
-  first_start "$F" 4000 --work "$W/first" --out "$OUT/aheadf32-first.json" ;; esac
+  first_start "$F" 4000 --work "$W/first" --out "$OUT/ahead-$N-first.json"
+  rm -rf "$F"
+}
+# a float32 model (a GGUF source converts to float32 on a GPU: the quick start's model), a float16 one, an 8-bit one
+case ",$STEPS," in *,aheadf32,*) ahead_model 1b float32 ;; esac
+case ",$STEPS," in *,aheadf16,*) ahead_model 1b float16 ;; esac
+case ",$STEPS," in *,ahead8,*) ahead_model 8b bfloat16 8 ;; esac
 case ",$STEPS," in *,readyspy,*)  # item 1: a later start (after `ready`) sampled by py-spy, every thread, native
   # frames too: where the stand-in's chats spend their seconds beside the load (bench/spy_threads.py
   # ready-spy.txt --native --match warm_up_stand_in)
