@@ -15,10 +15,17 @@ context's. This times, in milliseconds, one attention call in the shape of `--sh
 - decode (one query per row) over a buffer of a new length, then of the same length
   at another context.
 
+With `--threads N` the same calls run on N threads, one after the other, each new,
+after a first matmul and a first attention of 16 tokens that count too: which of the
+first calls' costs a process pays once (its libraries, cuDNN's compiled kernels) and
+which each thread pays (MLX keeps cuDNN and cuBLAS handles and graphs per thread). A
+thread that warms up before the model's code is imported helps the engine's thread only
+as far as the second thread's costs are smaller than the first's.
+
 On a CPU every call is plain MLX attention (no graphs); `--dry-run` divides every length
 by 32 so that it finishes, and shows only that it runs.
 
-    python bench/attention_graphs.py --shape 8b [--out OUT.json]
+    python bench/attention_graphs.py --shape 8b [--threads 2] [--out OUT.json]
     .venv/bin/python bench/attention_graphs.py --dry-run
 """
 
@@ -26,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,40 +68,76 @@ def attend(rows: int, queries: int, context: int, buffer: int, *, heads: int, kv
     return round(1000 * (time.perf_counter() - started), 2)
 
 
+def multiply(rows: int, hidden: int) -> float:
+    """Returns the milliseconds of one (rows x hidden) @ (hidden x hidden) matmul in bfloat16."""
+    x = mx.zeros((rows, hidden), dtype=mx.bfloat16)
+    w = mx.zeros((hidden, hidden), dtype=mx.bfloat16)
+    mx.eval(x, w)
+    mx.synchronize()
+    started = time.perf_counter()
+    mx.eval(x @ w.T)
+    mx.synchronize()
+    return round(1000 * (time.perf_counter() - started), 2)
+
+
+CASES = [  # (label, rows, queries, context, buffer, mask)
+    ("prefill chunk: new key", 1, CHUNK, 4 * CHUNK, 25_600, "causal"),
+    ("prefill chunk: same key again", 1, CHUNK, 4 * CHUNK, 25_600, "causal"),
+    ("prefill chunk: new context, same buffer", 1, CHUNK, 5 * CHUNK, 25_600, "causal"),
+    ("prefill chunk: same context, new buffer", 1, CHUNK, 4 * CHUNK, 26_624, "causal"),
+    ("prefill chunk: same context, new buffer again", 1, CHUNK, 4 * CHUNK, 26_624, "causal"),
+    ("prefill 30 tokens, buffer 256 (a chat)", 1, 30, 30, 256, "causal"),
+    ("batched prefill 8 x 128: new key", 8, 128, 128, 256, "array"),
+    ("batched prefill 8 x 128: again", 8, 128, 128, 256, "array"),
+    ("batched prefill 4 x 128: new rows", 4, 128, 128, 256, "array"),
+    ("batched prefill 8 x 96: new length", 8, 96, 96, 256, "array"),
+    ("decode 1 row: new buffer", 1, 1, 25_000, 25_600, None),
+    ("decode 1 row: same buffer, next context", 1, 1, 25_001, 25_600, None),
+    ("decode 1 row: new buffer", 1, 1, 25_000, 26_624, None),
+    ("decode 8 rows: new rows", 8, 1, 1000, 1024, None),
+    ("decode 8 rows: again", 8, 1, 1001, 1024, None),
+]
+
+
+def run_cases(div: int, dims: dict, *, label: str = "") -> list[dict]:
+    """Runs CASES in order (every length divided by `div`); returns each one's record."""
+    results = []
+    for case, rows, queries, context, buffer, mask in CASES:
+        queries, context, buffer = max(1, queries // div), max(1, context // div), max(1, buffer // div)
+        took = attend(rows, queries, context, buffer, mask=mask, **dims)
+        results.append({"case": case, "rows": rows, "queries": queries, "context": context, "buffer": buffer,
+                        "mask": mask, "ms": took})
+        print(f"{label}{case:48s} {took:9.2f} ms", flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--threads", type=int, default=0, help="the calls on this many new threads in turn")
     parser.add_argument("--dry-run", action="store_true", help="every length / 32 (a CPU check)")
     args = parser.parse_args()
     div = 32 if args.dry_run else 1
     _, hidden, heads, kv_heads, _ = SHAPES[args.shape]
     dims = {"heads": heads, "kv_heads": kv_heads, "dim": hidden // heads}
-    attend(1, 16, 16, 16, **dims)  # the process's first kernels, whatever their shapes
-    cases = [  # (label, rows, queries, context, buffer, mask)
-        ("prefill chunk: new key", 1, CHUNK, 4 * CHUNK, 25_600, "causal"),
-        ("prefill chunk: same key again", 1, CHUNK, 4 * CHUNK, 25_600, "causal"),
-        ("prefill chunk: new context, same buffer", 1, CHUNK, 5 * CHUNK, 25_600, "causal"),
-        ("prefill chunk: same context, new buffer", 1, CHUNK, 4 * CHUNK, 26_624, "causal"),
-        ("prefill chunk: same context, new buffer again", 1, CHUNK, 4 * CHUNK, 26_624, "causal"),
-        ("batched prefill 8 x 128: new key", 8, 128, 128, 256, "array"),
-        ("batched prefill 8 x 128: again", 8, 128, 128, 256, "array"),
-        ("batched prefill 4 x 128: new rows", 4, 128, 128, 256, "array"),
-        ("batched prefill 8 x 96: new length", 8, 96, 96, 256, "array"),
-        ("decode 1 row: new buffer", 1, 1, 25_000, 25_600, None),
-        ("decode 1 row: same buffer, next context", 1, 1, 25_001, 25_600, None),
-        ("decode 1 row: new buffer", 1, 1, 25_000, 26_624, None),
-        ("decode 8 rows: new rows", 8, 1, 1000, 1024, None),
-        ("decode 8 rows: again", 8, 1, 1001, 1024, None),
-    ]
-    results = []
-    for label, rows, queries, context, buffer, mask in cases:
-        queries, context, buffer = max(1, queries // div), max(1, context // div), max(1, buffer // div)
-        took = attend(rows, queries, context, buffer, mask=mask, **dims)
-        results.append({"case": label, "rows": rows, "queries": queries, "context": context, "buffer": buffer,
-                        "mask": mask, "ms": took})
-        print(f"{label:48s} {took:9.2f} ms", flush=True)
-    record = {"shape": args.shape, "device": str(mx.default_device()), "mlx": mx.__version__, "results": results}
+    if not args.threads:
+        attend(1, 16, 16, 16, **dims)  # the process's first kernels, whatever their shapes
+        results = run_cases(div, dims)
+    else:
+        results = []
+        for n in range(args.threads):  # each on a new thread, one after the other
+            thread = threading.Thread(target=lambda n=n: results.extend(
+                [{"thread": n, "case": "first matmul 2048 x hidden", "ms": multiply(2048 // div, hidden)},
+                 {"thread": n, "case": "first attention 16 tokens", "ms": attend(1, 16, 16, 16, **dims)}]
+                + [{"thread": n, **r} for r in run_cases(div, dims, label=f"thread {n}: ")]))
+            thread.start()
+            thread.join()
+        for r in (r for r in results if r["case"].startswith("first")):
+            print(f"thread {r['thread']}: {r['case']:40s} {r['ms']:9.2f} ms", flush=True)
+    kernel_dir = os.environ.get("MLX_PTX_CACHE_DIR")  # what MLX compiled in the process, where it was empty
+    record = {"shape": args.shape, "device": str(mx.default_device()), "mlx": mx.__version__, "results": results,
+              "compiled": sorted(os.listdir(kernel_dir)) if kernel_dir and os.path.isdir(kernel_dir) else None}
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
     return 0
