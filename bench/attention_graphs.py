@@ -10,6 +10,7 @@ context's. This times, in milliseconds, one attention call in the shape of `--sh
 
 - prefill, one 2,048-token chunk: a new key; the same call again; keys of a new
   context in the same buffer; the same context in a buffer of a new length;
+- a chat's prefill (30 tokens in a 256-token buffer);
 - a batched prefill of short prompts (an array mask, as mlx-lm's batch path passes):
   a new (rows x length), the same again;
 - decode (one query per row) over a buffer of a new length, then of the same length
@@ -126,11 +127,14 @@ def main() -> int:
         results = run_cases(div, dims)
     else:
         results = []
+
+        def on_thread(n: int) -> None:  # the thread's first matmul and attention, then CASES
+            results.append({"thread": n, "case": "first matmul 2048 x hidden", "ms": multiply(2048 // div, hidden)})
+            results.append({"thread": n, "case": "first attention 16 tokens", "ms": attend(1, 16, 16, 16, **dims)})
+            results.extend({"thread": n, **r} for r in run_cases(div, dims, label=f"thread {n}: "))
+
         for n in range(args.threads):  # each on a new thread, one after the other
-            thread = threading.Thread(target=lambda n=n: results.extend(
-                [{"thread": n, "case": "first matmul 2048 x hidden", "ms": multiply(2048 // div, hidden)},
-                 {"thread": n, "case": "first attention 16 tokens", "ms": attend(1, 16, 16, 16, **dims)}]
-                + [{"thread": n, **r} for r in run_cases(div, dims, label=f"thread {n}: ")]))
+            thread = threading.Thread(target=on_thread, args=(n,))
             thread.start()
             thread.join()
         for r in (r for r in results if r["case"].startswith("first")):

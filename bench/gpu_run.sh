@@ -151,7 +151,7 @@ first_start() {  # first_start MODEL_DIR TOKENS [start_to_ready.py args]: a star
 }
 case ",$STEPS," in *,firstab,*)  # item 1: the 8B's first starts (empty kernel caches) with this tree against
   # FIRSTAB_CODE (default .ab/OLD, carried: another commit's code, small enough to carry beside the wheels,
-  # made by `git archive REV appliance profiles | tar -x -C .ab/OLD`), in the order A B B A
+  # made by `git archive REV appliance profiles pyproject.toml | tar -x -C .ab/OLD`), in the order A B B A
   model 8b
   W=/tmp/omlx-firstab; rm -rf "$W"; i=0
   for code in "${FIRSTAB_CODE:-.ab/OLD}" . . "${FIRSTAB_CODE:-.ab/OLD}"; do
