@@ -12,9 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-import httpx
-
-from appliance.cache.keys import model_dir, tenant_dir
 from appliance.cli_config import load_or_report
 from appliance.config import LoadedConfig
 
@@ -60,6 +57,8 @@ class CacheCommandError(Exception):
 
 def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
     """Returns the server's answer, or None when no server answers on the config's address."""
+    import httpx
+
     server = config.spec.server
     base = f"http://{server.host}:{server.port}/admin/api/cache"
     requests = {
@@ -85,6 +84,7 @@ def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
 
 def offline(config: LoadedConfig, args: argparse.Namespace) -> dict:
     """Runs the command on the cache files directly (no server running)."""
+    from appliance.cache.keys import model_dir, tenant_dir
     from appliance.cache.model_cache import kv_tenant
     from appliance.cache.ssd import SsdTier
 

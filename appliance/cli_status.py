@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import httpx
-
 from appliance.cli_config import load_or_report
 
 TIMEOUT_S = 10.0
@@ -31,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     server = config.spec.server
     url = base_url(server)
+    import httpx
+
     try:
         with httpx.Client(base_url=url, headers=server.admin_headers, timeout=TIMEOUT_S) as client:
             answers = {name: client.get(f"/admin/api/{name}") for name in ("status", "overview", "cache")}

@@ -3,7 +3,6 @@ dtype defaults."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import sys
@@ -228,7 +227,7 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
     """
     if os.environ.get(KERNEL_CACHE_ENV):
         return None
-    path = cache_dir / "kernels" / f"mlx-{importlib.metadata.version('mlx')}"  # MLX not imported: `ahead` is early
+    path = cache_dir / "kernels" / f"mlx-{mlx_version()}"
     os.environ[KERNEL_CACHE_ENV] = str(path)
     return path
 
@@ -236,7 +235,16 @@ def keep_compiled_kernels(cache_dir: Path) -> Path | None:
 def default_kernel_dir() -> Path:
     """Returns MLX CUDA's own default cache of the kernels it compiles: the temp dir's
     mlx/VERSION/ptx (MLX's version read without importing it)."""
-    return Path(tempfile.gettempdir()) / "mlx" / importlib.metadata.version("mlx") / "ptx"
+    return Path(tempfile.gettempdir()) / "mlx" / mlx_version() / "ptx"
+
+
+def mlx_version() -> str:
+    """Returns the installed MLX's version without importing MLX (`kernels.ahead` runs
+    before it is imported), nor importlib.metadata before it is needed: that is 20 ms of
+    each of `omlx serve`'s two processes (the re-exec) before its weights' preload."""
+    import importlib.metadata
+
+    return importlib.metadata.version("mlx")
 
 
 def kernel_dir() -> Path | None:

@@ -29,7 +29,6 @@ renamed, the cubin last, so that MLX never reads a half-written module.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import subprocess
@@ -332,7 +331,7 @@ def prepare(cache_dir: Path) -> Compiles | None:
     from appliance.kernels.cuda_driver import CudaError, compute_capability
 
     library = libmlx.path()
-    manifest = manifest_for(importlib.metadata.version("mlx"), libmlx.build_id(library)) if library else None
+    manifest = manifest_for(platform.mlx_version(), libmlx.build_id(library)) if library else None
     if manifest is None:  # a CPU or Metal build, or an MLX no manifest was recorded for
         log.debug("no manifest of MLX's kernels for this build: MLX compiles them as it meets them")
         return None
