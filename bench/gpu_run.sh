@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Issue #16's GPU measurements in one device call (the device tool allows 10 minutes a
 # call and 30 a session, so one call must carry everything). Run from the repository root
-# on the GPU machine, after `bash bench/gpu_prepare.sh` here and a first call that copied
+# on the GPU machine, after `bash bench/gpu_prepare.sh` here, a first call that copied
+# .gpu/hf (the tokenizer stack as tested) to /root/stage/hf, and a second that copied
 # .gpu/part-a to /root/stage (and .gpu/spy, py-spy's wheel, for the steps that sample with
 # it); this call carries .gpu/part-b, .gpu/wheels, .gpu/SHA256SUMS and .gpu/tok
-# (tokenizer.json etc. of the converted test model):
+# (tokenizer.json etc. of the converted test model). Without /root/stage/hf the image's own
+# transformers runs:
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
 #                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b,aheadf32,
-#                                  # aheadf16,ahead8,firstab
+#                                  # aheadf16,ahead8,firstab,hfab
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -29,7 +31,18 @@ if [ ! -f /tmp/site/.done ]; then  # reassemble the MLX CUDA wheel and install a
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/stage/*.whl .gpu/wheels/*.whl \
     && touch /tmp/site/.done || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD
+if [ -d /root/stage/hf ] && [ ! -f /tmp/site-hf/.done ]; then  # the tokenizer stack as tested (gpu_prepare.sh)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf /root/stage/hf/*.whl && touch /tmp/site-hf/.done
+fi
+TESTED=  # the tested stack ahead of the image's, where it was staged and imports
+if [ -f /tmp/site-hf/.done ]; then
+  if PYTHONPATH=/tmp/site-hf:/tmp/site:$PWD python3 -c "import appliance, mlx_lm.utils" 2> "$OUT/tested-stack.txt"; then
+    TESTED=/tmp/site-hf:
+  else
+    echo "the tested tokenizer stack does not import here; the image's runs:"; tail -3 "$OUT/tested-stack.txt"
+  fi
+fi
+export PYTHONPATH=$TESTED/tmp/site:$PWD
 STEP_S=${STEP_S:-540}
 OMLX_PROFILE=${OMLX_PROFILE:-nvidia-h200}  # the omlx profile every step's servers run under (nvidia-h100 on an H100)
 pkill -f "[a]ppliance serve" ; pkill -f "[m]lx_lm.server" ; sleep 1  # left by a cut-off call
@@ -53,9 +66,18 @@ import mlx.core as mx; t1 = time.perf_counter()
 mx.eval(mx.zeros(1) + 1); t2 = time.perf_counter()
 import mlx_lm.utils; t3 = time.perf_counter()
 import appliance.runtime, appliance.server.runner; t4 = time.perf_counter()
+import transformers
 print(f"import mlx.core {t1-t0:.2f} s, first eval {t2-t1:.2f} s, mlx_lm.utils {t3-t2:.2f} s, "
-      f"omlx server {t4-t3:.2f} s")
+      f"omlx server {t4-t3:.2f} s; transformers {transformers.__version__} from {transformers.__file__}")
 PY
+if [ -n "$TESTED" ]; then  # mlx-lm's imports under each stack, a fresh process each (2.6-3.4 s on some hosts)
+  for stack in image tested image tested; do
+    PYTHONPATH=$([ $stack = tested ] && echo "$TESTED")/tmp/site:$PWD python3 -X importtime \
+      -c "import appliance, mlx.core, mlx_lm.utils" 2> "$OUT/importtime-$stack.txt"
+    echo "the $stack stack: $(grep -E '\| +(transformers|mlx_lm.utils)$' "$OUT/importtime-$stack.txt" \
+      | awk -F'|' '{printf "%s %.2f s; ", $3, $2 / 1e6}' | tr -s ' ')" | tee -a "$OUT/startup.txt"
+  done
+fi
 case ",$STEPS," in *,capture,*)  # a second thread's work against MLX's graph capture (kernels/gate.py);
   # CAPTURE_JOBS: bench/capture_race.py's jobs, "+gate" ones as the server runs them
   step python3 bench/capture_race.py --beside "${CAPTURE_JOBS:-none,pin,pinfree,kvwarm,selftest,readback,h2d,meminfo}" \
@@ -157,6 +179,15 @@ case ",$STEPS," in *,firstab,*)  # item 1: the 8B's first starts (empty kernel c
   for code in "${FIRSTAB_CODE:-.ab/OLD}" . . "${FIRSTAB_CODE:-.ab/OLD}"; do
     i=$((i + 1)); name=$([ "$code" = . ] && echo this || basename "$code"); echo "start $i: $name"
     first_start /tmp/llama-8b 4000 --code "$code" --work "$W/$i" --out "$OUT/firstab-$i-$name.json"
+  done ;; esac
+case ",$STEPS," in *,hfab,*)  # item 1: the 8B's first starts with the image's tokenizer stack against the tested
+  # one (gpu_prepare.sh's .gpu/hf, staged by a call of its own), in the order A B B A
+  model 8b
+  W=/tmp/omlx-hfab; rm -rf "$W"; i=0
+  for stack in image tested tested image; do
+    i=$((i + 1)); echo "start $i: the $stack stack"
+    PYTHONPATH=$([ $stack = tested ] && echo "$TESTED")/tmp/site:$PWD \
+      first_start /tmp/llama-8b 4000 --work "$W/$i" --out "$OUT/hfab-$i-$stack.json"
   done ;; esac
 case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
   # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
