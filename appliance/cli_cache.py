@@ -57,7 +57,7 @@ class CacheCommandError(Exception):
 
 def via_server(config: LoadedConfig, args: argparse.Namespace) -> dict | None:
     """Returns the server's answer, or None when no server answers on the config's address."""
-    import httpx
+    import httpx  # here, not at the top: every `omlx serve` imports this module before its preload starts
 
     server = config.spec.server
     base = f"http://{server.host}:{server.port}/admin/api/cache"

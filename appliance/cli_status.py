@@ -24,13 +24,13 @@ def base_url(server) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx  # here, not at the top: every `omlx serve` imports this module before its preload starts
+
     config = load_or_report(args.config)
     if config is None:
         return 1
     server = config.spec.server
     url = base_url(server)
-    import httpx
-
     try:
         with httpx.Client(base_url=url, headers=server.admin_headers, timeout=TIMEOUT_S) as client:
             answers = {name: client.get(f"/admin/api/{name}") for name in ("status", "overview", "cache")}
