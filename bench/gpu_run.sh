@@ -171,12 +171,14 @@ first_start() {  # first_start MODEL_DIR TOKENS [start_to_ready.py args]: a star
   step python3 bench/start_to_ready.py "$1" --profile "$OMLX_PROFILE" --tokens "$2" --fresh-kernel-caches \
     --hit-repeats 1 "${@:3}" 2>&1 | grep -E '"(start_to_ready|model_load|warm_up|weights_preload)_s"|ahead|warmed up'
 }
-case ",$STEPS," in *,firstab,*)  # item 1: the 8B's first starts (empty kernel caches) with this tree against
-  # FIRSTAB_CODE (default .ab/OLD, carried: another commit's code, small enough to carry beside the wheels,
-  # made by `git archive REV appliance profiles pyproject.toml | tar -x -C .ab/OLD`), in the order A B B A
+case ",$STEPS," in *,firstab,*)  # item 1: the 8B's first starts (empty kernel caches) with the trees of FIRSTAB_CODE
+  # (default .ab/OLD, carried: other commits' code, small enough to carry beside the wheels, each made by
+  # `git archive REV appliance profiles pyproject.toml | tar -x -C .ab/NAME`) and this tree, in turn and back:
+  # A B B A, or with two of them A B C C B A
   model 8b
   W=/tmp/omlx-firstab; rm -rf "$W"; i=0
-  for code in "${FIRSTAB_CODE:-.ab/OLD}" . . "${FIRSTAB_CODE:-.ab/OLD}"; do
+  codes="${FIRSTAB_CODE:-.ab/OLD} ."
+  for code in $codes $(echo "$codes" | tr ' ' '\n' | tac); do
     i=$((i + 1)); name=$([ "$code" = . ] && echo this || basename "$code"); echo "start $i: $name"
     first_start /tmp/llama-8b 4000 --code "$code" --work "$W/$i" --out "$OUT/firstab-$i-$name.json"
   done ;; esac
