@@ -2,17 +2,17 @@
 # Issue #16's GPU measurements in one device call (the device tool allows 10 minutes a
 # call and 30 a session, so one call must carry everything). Run from the repository root
 # on the GPU machine, after `bash bench/gpu_prepare.sh` here, a first call that copied
-# .gpu/hf (the tokenizer stack as tested) to /root/stage/hf, and a second that copied
-# .gpu/part-a to /root/stage (and .gpu/spy, py-spy's wheel, for the steps that sample with
-# it); this call carries .gpu/part-b, .gpu/wheels, .gpu/SHA256SUMS and .gpu/tok
-# (tokenizer.json etc. of the converted test model). Without /root/stage/hf the image's own
-# transformers runs:
+# .gpu/hf (the tokenizer stack as tested) and .gpu/tok (tokenizer.json etc. of the converted
+# test model) to /root/stage, and a second that copied .gpu/part-a there (and .gpu/spy,
+# py-spy's wheel, for the steps that sample with it); this call carries .gpu/part-b,
+# .gpu/wheels and .gpu/SHA256SUMS (64 MiB a call, the tree included). Without
+# /root/stage/hf the image's own transformers runs:
 #
 #   bash bench/gpu_run.sh [STEPS]  # STEPS: any of host,kernels,attention,save,prefill,batch,long,ready,restore,
 #                                  # restore8,quant,throughput,composed,gather,nocache,profile,speed,agents,70b,quant70b,kept,
 #                                  # change,graphs,readyspy,weights,decodehost,matmulhost,compiled,malloc,graphknobs,
 #                                  # matmulab,spypass,capture,startloop,hit,build,ahead,ahead70b,aheadf32,
-#                                  # aheadf16,ahead8,firstab,hfab
+#                                  # aheadf16,ahead8,firstab,hfab,pack
 #   BITS="8 4" SIZES=8K,32K bash bench/gpu_run.sh quant70b   # which KV precisions and sizes
 #   OMLX_PROFILE=nvidia-h100 bash bench/gpu_run.sh throughput  # the omlx profile (default nvidia-h200)
 #                                  # (default: host,kernels,ready,restore)
@@ -31,6 +31,7 @@ if [ ! -f /tmp/site/.done ]; then  # reassemble the MLX CUDA wheel and install a
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/stage/*.whl .gpu/wheels/*.whl \
     && touch /tmp/site/.done || exit 1
 fi
+[ -d .gpu/tok ] || { mkdir -p .gpu && cp -r /root/stage/tok .gpu/tok; } || exit 1  # staged by the first call
 if [ -d /root/stage/hf ] && [ ! -f /tmp/site-hf/.done ]; then  # the tokenizer stack as tested (gpu_prepare.sh)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf /root/stage/hf/*.whl && touch /tmp/site-hf/.done
 fi
@@ -86,7 +87,7 @@ case ",$STEPS," in *,host,*)
   step python3 bench/host_path.py --shape 8b --tokens 25417 --out "$OUT/host_path.json" 2>&1 | tail -40 ;; esac
 case ",$STEPS," in *,kernels,*)
   step python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kv_move.py tests/kernels/test_registry.py \
-    tests/kernels/test_nvrtc.py tests/kernels/test_cubins.py tests/kernels/test_cuda_driver.py tests/models/test_weights.py::test_on_cuda_every_tensor_is_copied_bit_for_bit tests/models/test_weights.py::test_on_cuda_a_read_failing_midway_falls_back_to_mx_load \
+    tests/kernels/test_nvrtc.py tests/kernels/test_cubins.py tests/kernels/test_cuda_driver.py tests/kernels/test_packs.py tests/models/test_weights.py::test_on_cuda_every_tensor_is_copied_bit_for_bit tests/models/test_weights.py::test_on_cuda_a_read_failing_midway_falls_back_to_mx_load \
     tests/models/test_fuse.py::test_a_bfloat16_model_with_a_kv_cache_fuses_to_the_same_logits tests/kernels/test_small_matmul.py tests/models/test_native_linear.py::test_on_cuda_a_model_with_a_kv_cache_computes_the_same_logits_natively 2>&1 | tail -30 ;; esac
 case ",$STEPS," in *,attention,*)  # what a new attention shape costs (cuDNN graphs)
   step python3 bench/attention_graphs.py --shape 8b --out "$OUT/attention_graphs.json" 2>&1 | tail -20 ;; esac
@@ -241,6 +242,21 @@ ahead_model() {  # ahead_model SHAPE DTYPE [BITS]: item 1 for a model of other k
   first_start "$F" 4000 --work "$W/first" --out "$OUT/ahead-$N-first.json"
   rm -rf "$F"
 }
+case ",$STEPS," in *,pack,*)  # item 1: the shipped pack of MLX's kernels (appliance/kernels/packs.py, built without a
+  # GPU): its cubins against MLX's own (compiled by a first start with the manifest aside, which takes the pack with
+  # it), then first starts from it: the 8B in bfloat16 and at 8 bits
+  model 8b
+  W=/tmp/omlx-pack; rm -rf "$W"; mkdir -p "$W/aside"
+  M=$(manifest); mv "$M" "$W/aside/"
+  first_start /tmp/llama-8b 4000 --work "$W/mlx" --out "$OUT/pack-mlx.json"
+  mv "$W/aside/${M##*/}" "$M"
+  python3 bench/kernels_ahead.py unpack "$W/pack" && python3 bench/kernels_ahead.py compare "$W/mlx/ptx" "$W/pack" \
+    | tee "$OUT/pack-compare.json"
+  first_start /tmp/llama-8b 4000 --work "$W/first" --out "$OUT/pack-first.json"
+  F=/tmp/llama-8b-bfloat16-8bit
+  [ -d "$F" ] || python3 bench/gpu_model.py --shape 8b --bits 8 --out "$F" --tokenizer .gpu/tok | tail -1
+  first_start "$F" 4000 --work "$W/first8" --out "$OUT/pack-first8.json"
+  rm -rf "$F" ;; esac
 # a float32 model (a GGUF source converts to float32 on a GPU: the quick start's model), a float16 one, an 8-bit one
 case ",$STEPS," in *,aheadf32,*) ahead_model 1b float32 ;; esac
 case ",$STEPS," in *,aheadf16,*) ahead_model 1b float16 ;; esac

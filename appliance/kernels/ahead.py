@@ -25,6 +25,10 @@ A manifest applies only to the build of libmlx it was recorded with (the SHA-256
 wheel's RECORD gives it): another build compiles nothing ahead and MLX compiles as before.
 A module that fails to compile is left to MLX. Files are written to temporary names and
 renamed, the cubin last, so that MLX never reads a half-written module.
+
+Where omlx ships a pack of the manifest compiled for this GPU's architecture
+(kernels/packs.py: NVRTC needs no GPU, so packs are built on any machine), a module is
+written from it instead of compiled: a first start then compiles nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -44,7 +49,8 @@ from pathlib import Path
 
 import orjson
 
-from appliance.kernels import libmlx
+from appliance.kernels import libmlx, packs
+from appliance.kernels.cuda_driver import CudaError
 from appliance.kernels.nvrtc import CompileError, compile_program, version
 
 log = logging.getLogger("omlx.kernels")
@@ -92,6 +98,7 @@ class Report:
     """What `compile_ahead` did."""
 
     present: int = 0  # modules found compiled already
+    shipped: int = 0  # modules written from the pack shipped for this GPU (kernels/packs.py)
     compiled: dict[str, float] = field(default_factory=dict)  # module -> seconds
     failed: dict[str, str] = field(default_factory=dict)  # module -> why
     seconds: float = 0.0
@@ -181,12 +188,13 @@ class Compiles:
     """The modules of `manifest` that `directory` lacks, compiled on request, by the kinds
     of weights of the models that need them, each once, `workers` at a time, each in a
     process of its own (NVRTC compiles one program at a time in a process: two threads took
-    as long as one after the other), and written as MLX would. A module that fails is left
-    to MLX. A mark is written once every module for its kinds is there."""
+    as long as one after the other), and written as MLX would; a module the shipped `pack`
+    holds is written from it instead. A module that fails is left to MLX. A mark is written
+    once every module for its kinds is there."""
 
     def __init__(self, manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
-                 workers: int):
-        self.manifest, self.directory = manifest, directory
+                 workers: int, pack: packs.Pack | None = None):
+        self.manifest, self.directory, self.pack = manifest, directory, pack
         self.report = Report(workers=max(1, workers))
         self._job = {"directory": str(directory), "flags": flags, "headers": headers}
         self._pool = ThreadPoolExecutor(self.report.workers, thread_name_prefix="kernels-ahead")
@@ -204,14 +212,35 @@ class Compiles:
                     self.report.present += 1
                     self._futures[module.name] = done = Future()
                     done.set_result(None)
-                else:
-                    self._futures[module.name] = self._pool.submit(self._build, module)
+                else:  # from the pack or compiled, on the pool: its check of a cubin waits for the gate
+                    self._futures[module.name] = self._pool.submit(self._obtain, module)
             futures = [self._futures[m.name] for m in wanted]
         self._mark()
         return futures
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _obtain(self, module: Module) -> None:
+        if self._unpack(module):
+            with self._lock:
+                self.report.shipped += 1
+            self._mark()
+        else:
+            self._build(module)
+
+    def _unpack(self, module: Module) -> bool:
+        """Writes `module` from the shipped pack; False where the pack lacks it or fails."""
+        if self.pack is None:
+            return False
+        try:
+            found = self.pack.read(module.name, module.source)
+            if found is not None:
+                write(self.directory, module, *found)
+        except (OSError, zipfile.BadZipFile, KeyError, CudaError) as e:
+            log.warning("%s not taken from the shipped kernels (%s): compiled here", module.name[:40], e)
+            return False
+        return found is not None
 
     def _build(self, module: Module) -> None:
         began = time.perf_counter()
@@ -240,16 +269,16 @@ class Compiles:
 
 
 def compile_ahead(manifest: Manifest, directory: Path, *, flags: tuple[str, ...], headers: dict[str, str],
-                  workers: int, kinds: tuple[str, ...] | None = None) -> Report:
+                  workers: int, kinds: tuple[str, ...] | None = None, pack: packs.Pack | None = None) -> Report:
     """Compiles what a model of weights of `kinds` (None: any model) needs of `manifest`
     and `directory` lacks, as `Compiles` does; returns what it did."""
     started = time.perf_counter()
-    compiles = Compiles(manifest, directory, flags=flags, headers=headers, workers=workers)
+    compiles = Compiles(manifest, directory, flags=flags, headers=headers, workers=workers, pack=pack)
     futures = compiles.request(kinds)
     wait_all(futures)
     compiles.close()
     report = compiles.report
-    report.workers = max(1, min(workers, len(futures) - report.present))
+    report.workers = max(1, min(workers, len(futures) - report.present - report.shipped))
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -259,17 +288,16 @@ def compile_module(module: Module, directory: Path, *, flags: tuple[str, ...], h
     Raises CompileError or OSError."""
     cubin, lowered = compile_program(module.source, name=f"{module.name}.cu", flags=flags, headers=headers,
                                      expressions=module.kernels)
-    write(directory, module, cubin, lowered)
+    write(directory, module, cubin, "".join(f"{expression}\t{mangled}\n" for expression, mangled in lowered))
 
 
-def write(directory: Path, module: Module, cubin: bytes, lowered: list[tuple[str, str]]) -> None:
-    """Writes a compiled module where and as MLX writes it: the kernels' names (NAME.txt) and
-    source (NAME.cu) first, its cubin (NAME.ptx, which MLX looks for) last, each renamed
-    into place whole."""
+def write(directory: Path, module: Module, cubin: bytes, names: str) -> None:
+    """Writes a compiled module where and as MLX writes it: the kernels' names (NAME.txt:
+    each name expression, a tab, its lowered name) and source (NAME.cu) first, its cubin
+    (NAME.ptx, which MLX looks for) last, each renamed into place whole."""
     ptx = module_path(directory, module.name)
     ptx.parent.mkdir(parents=True, exist_ok=True)
-    names = "".join(f"{expression}\t{mangled}\n" for expression, mangled in lowered).encode()
-    for path, data in ((ptx.with_suffix(".txt"), names), (ptx.with_suffix(".cu"), module.source.encode()),
+    for path, data in ((ptx.with_suffix(".txt"), names.encode()), (ptx.with_suffix(".cu"), module.source.encode()),
                        (ptx, cubin)):
         fd, tmp = tempfile.mkstemp(dir=ptx.parent, prefix=".ahead-", suffix=".tmp")
         try:
@@ -315,10 +343,11 @@ def start(cache_dir: Path, expect: Callable[[], tuple[str, ...] | None] = lambda
 def log_report(compiles: Compiles, kinds: tuple[str, ...] | None, seconds: float) -> None:
     report = compiles.report
     slowest = max(report.compiled.items(), key=lambda item: item[1], default=("-", 0.0))
-    log.info("MLX's kernels compiled ahead for %s weights: %d of %d in %.2f s in %d processes (%d there already; "
-             "slowest %s, %.2f s)%s", "+".join(kinds) if kinds else "any", len(report.compiled),
-             len(compiles.manifest.modules), seconds, min(report.workers, len(report.compiled) + len(report.failed)),
-             report.present, slowest[0][:40], slowest[1],
+    log.info("MLX's kernels compiled ahead for %s weights: %d of %d in %.2f s in %d processes (%d there already, "
+             "%d from the shipped kernels; slowest %s, %.2f s)%s", "+".join(kinds) if kinds else "any",
+             len(report.compiled), len(compiles.manifest.modules), seconds,
+             min(report.workers, len(report.compiled) + len(report.failed)), report.present, report.shipped,
+             slowest[0][:40], slowest[1],
              f"; {len(report.failed)} left to MLX: {report.failed}" if report.failed else "")
 
 
@@ -328,7 +357,8 @@ def prepare(cache_dir: Path) -> Compiles | None:
     imported: its import (1.3 s on an H100 machine) would delay the compiles, which are a
     first start's longest part."""
     from appliance import platform
-    from appliance.kernels.cuda_driver import CudaError, compute_capability
+    from appliance.kernels.cuda_driver import check_module, compute_capability, driver_version
+    from appliance.kernels.gate import GATE
 
     library = libmlx.path()
     manifest = manifest_for(platform.mlx_version(), libmlx.build_id(library)) if library else None
@@ -336,13 +366,20 @@ def prepare(cache_dir: Path) -> Compiles | None:
         log.debug("no manifest of MLX's kernels for this build: MLX compiles them as it meets them")
         return None
     try:
-        arch = architecture(*compute_capability())
+        arch, driver = architecture(*compute_capability()), driver_version()
     except CudaError as e:
         log.debug("no GPU to compile MLX's kernels for: %s", e)
         return None
     platform.keep_compiled_kernels(cache_dir)  # unless the environment names a dir
+    pack = packs.find(MANIFESTS, mlx=manifest.mlx, build=manifest.build, arch=arch, driver=driver)
+
+    def loads(cubin: bytes) -> None:
+        with GATE.alone():  # loading a module may synchronize the device (kernels/gate.py)
+            check_module(cubin)
+
+    pack = replace(pack, verify=loads) if pack is not None else None
     return Compiles(manifest, platform.mlx_kernel_dir(), flags=compile_flags(arch, library),
-                    headers=libmlx.headers(library), workers=os.cpu_count() or 1)
+                    headers=libmlx.headers(library), workers=os.cpu_count() or 1, pack=pack)
 
 
 def wait(kinds: tuple[str, ...], timeout: float = WAIT_S) -> None:

@@ -71,6 +71,25 @@ def compute_capability() -> tuple[int, int]:
     return major.value, minor.value
 
 
+@cache
+def driver_version() -> tuple[int, int]:
+    """Returns the CUDA version the driver supports, (13, 0) for driver 580. Raises CudaError."""
+    version = ctypes.c_int()
+    check(driver().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    return version.value // 1000, version.value % 1000 // 10
+
+
+def check_module(image: bytes) -> None:
+    """Loads a cubin into the primary context and unloads it. Raises CudaError where this
+    GPU and driver cannot load it (another architecture, a newer toolkit's format). Loading
+    a module may synchronize the device: hold the gate alone (kernels/gate.py)."""
+    lib = driver()
+    module = ctypes.c_void_p()
+    with CurrentContext():
+        check(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData")
+        lib.cuModuleUnload(module)
+
+
 def device_memory() -> tuple[int, int]:
     """Returns (free, total) bytes of device 0's memory as the driver sees it: what every
     process on the device holds is taken (MLX's own cache included). Raises CudaError."""
