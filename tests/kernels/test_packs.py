@@ -31,14 +31,8 @@ def test_a_module_in_the_pack_is_written_as_mlx_reads_it_and_not_compiled(tmp_pa
     pack = shipped(tmp_path, packs.Compiled("first", SOURCE, CUBIN, NAMES))
     cache = tmp_path / "cache"
     # No NVRTC is needed: nothing compiles (a compile would fail here, without the headers).
-    compiles = ahead.Compiles(manifest(module("first"), marks=("omlx-batch-changes-v2-bfloat16",)), cache,
-                              flags=FLAGS, headers={}, workers=1, pack=pack)
-    try:
-        for future in compiles.request(None):
-            future.result(timeout=10)
-    finally:
-        compiles.close()
-    report = compiles.report
+    report = ahead.compile_ahead(manifest(module("first"), marks=("omlx-batch-changes-v2-bfloat16",)), cache,
+                                 flags=FLAGS, headers={}, workers=1, pack=pack)
     assert report.shipped == 1 and report.compiled == {} and report.present == 0
     ptx = ahead.module_path(cache, "first")
     assert ptx.read_bytes() == CUBIN
@@ -55,14 +49,9 @@ def test_what_the_pack_lacks_or_holds_of_another_source_is_compiled(tmp_path):
     pack = shipped(tmp_path, packs.Compiled("first", SOURCE, CUBIN, NAMES),
                    packs.Compiled("changed", SOURCE.replace("twice", "twice "), CUBIN, NAMES))
     cache = tmp_path / "cache"
-    compiles = ahead.Compiles(manifest(module("first"), module("changed"), module("new")), cache, flags=FLAGS,
-                              headers=HEADERS, workers=2, pack=pack)
-    try:
-        for future in compiles.request(None):
-            future.result(timeout=120)
-    finally:
-        compiles.close()
-    assert compiles.report.shipped == 1 and set(compiles.report.compiled) == {"changed", "new"}
+    report = ahead.compile_ahead(manifest(module("first"), module("changed"), module("new")), cache, flags=FLAGS,
+                                 headers=HEADERS, workers=2, pack=pack)
+    assert report.shipped == 1 and set(report.compiled) == {"changed", "new"}
     assert ahead.module_path(cache, "first").read_bytes() == CUBIN
     assert ahead.module_path(cache, "changed").read_bytes().startswith(b"\x7fELF\x02")  # NVRTC's, not the pack's
 
@@ -102,14 +91,8 @@ def test_a_pack_that_cannot_be_read_is_not_used_and_every_module_still_compiles(
                                 f'"modules": {{"first": "{packs.digest(SOURCE)}"}}}}')
     pack = packs.find(tmp_path, mlx="0.0.1", build="build-a", arch="sm_90a", driver=(13, 0))
     assert pack is not None
-    compiles = ahead.Compiles(manifest(module("first")), tmp_path / "cache", flags=FLAGS, headers=HEADERS, workers=1,
-                              pack=pack)
-    try:
-        for future in compiles.request(None):
-            future.result(timeout=120)
-    finally:
-        compiles.close()
-    report = compiles.report
+    report = ahead.compile_ahead(manifest(module("first")), tmp_path / "cache", flags=FLAGS, headers=HEADERS,
+                                 workers=1, pack=pack)
     assert report.shipped == 0 and set(report.compiled) == {"first"}
     assert ahead.module_path(tmp_path / "cache", "first").read_bytes().startswith(b"\x7fELF\x02")
 
