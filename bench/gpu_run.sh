@@ -391,5 +391,6 @@ case ",$STEPS," in *,quant70b,*)  # issue #11: the 70B shape's tiers at fewer bi
       | tail -8
   done ;; esac
 [ -d bench/out/logs ] && tar czf "$OUT/logs.tgz" bench/out/logs
-# The device returns at most 8 files a call: the JSON goes back as one archive.
-(cd "$OUT" && ls *.json >/dev/null 2>&1 && tar czf results.tgz *.json && rm -f *.json)
+# The device returns at most 8 files a call: the JSON and the import profiles go back as one archive.
+(cd "$OUT" && files=$(ls *.json importtime-*.txt tested-stack.txt 2>/dev/null; true) && [ -n "$files" ] \
+  && tar czf results.tgz $files && rm -f $files)
