@@ -17,7 +17,9 @@ names of internal symbols carry a hash that differs between any two compiles (tw
 compiles of one source by NVRTC differ there and nowhere else), and the tool note, which
 records the flags (omlx adds --split-compile=0). `pack` compiles every module of the
 manifest recorded for a CUDA build of libmlx (an unpacked wheel's, no GPU needed) for one
-architecture and writes the pack omlx ships (appliance/kernels/packs.py) beside the manifest;
+architecture and writes the pack omlx ships (appliance/kernels/packs.py) beside the manifest
+(rebuild it after every `record` into a shipped manifest: tests/kernels/test_packs.py checks
+that the pack holds the manifest's modules);
 `unpack` writes the shipped pack's modules for the installed build and this GPU into DIR as
 a first start does (for `compare`).
 """
