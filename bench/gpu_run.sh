@@ -187,6 +187,7 @@ case ",$STEPS," in *,hfab,*)  # item 1: the 8B's first starts with the image's t
   # one (gpu_prepare.sh's .gpu/hf, staged by a call of its own), in the order A B B A
   model 8b
   W=/tmp/omlx-hfab; rm -rf "$W"; i=0
+  [ -n "$TESTED" ] || echo "hfab: no tested stack imports here; every start runs the image's"
   for stack in image tested tested image; do
     i=$((i + 1)); echo "start $i: the $stack stack"
     PYTHONPATH=$([ $stack = tested ] && echo "$TESTED")/tmp/site:$PWD \
