@@ -43,7 +43,8 @@ if [ -f /tmp/site-hf/.done ]; then
     echo "the tested tokenizer stack does not import here; the image's runs:"; tail -3 "$OUT/tested-stack.txt"
   fi
 fi
-export PYTHONPATH=$TESTED/tmp/site:$PWD
+stack_path() { echo "$([ "$1" = tested ] && echo "$TESTED")/tmp/site:$PWD"; }  # PYTHONPATH: the image's stack or the tested one
+export PYTHONPATH=$(stack_path tested)
 STEP_S=${STEP_S:-540}
 OMLX_PROFILE=${OMLX_PROFILE:-nvidia-h200}  # the omlx profile every step's servers run under (nvidia-h100 on an H100)
 pkill -f "[a]ppliance serve" ; pkill -f "[m]lx_lm.server" ; sleep 1  # left by a cut-off call
@@ -73,7 +74,7 @@ print(f"import mlx.core {t1-t0:.2f} s, first eval {t2-t1:.2f} s, mlx_lm.utils {t
 PY
 if [ -n "$TESTED" ]; then  # mlx-lm's imports under each stack, a fresh process each (2.6-3.4 s on some hosts)
   for stack in image tested image tested; do
-    PYTHONPATH=$([ $stack = tested ] && echo "$TESTED")/tmp/site:$PWD python3 -X importtime \
+    PYTHONPATH=$(stack_path $stack) python3 -X importtime \
       -c "import appliance, mlx.core, mlx_lm.utils" 2> "$OUT/importtime-$stack.txt"
     echo "the $stack stack: $(grep -E '\| +(transformers|mlx_lm.utils)$' "$OUT/importtime-$stack.txt" \
       | awk -F'|' '{printf "%s %.2f s; ", $3, $2 / 1e6}' | tr -s ' ')" | tee -a "$OUT/startup.txt"
@@ -190,8 +191,7 @@ case ",$STEPS," in *,hfab,*)  # item 1: the 8B's first starts with the image's t
   [ -n "$TESTED" ] || echo "hfab: no tested stack imports here; every start runs the image's"
   for stack in image tested tested image; do
     i=$((i + 1)); echo "start $i: the $stack stack"
-    PYTHONPATH=$([ $stack = tested ] && echo "$TESTED")/tmp/site:$PWD \
-      first_start /tmp/llama-8b 4000 --work "$W/$i" --out "$OUT/hfab-$i-$stack.json"
+    PYTHONPATH=$(stack_path $stack) first_start /tmp/llama-8b 4000 --work "$W/$i" --out "$OUT/hfab-$i-$stack.json"
   done ;; esac
 case ",$STEPS," in *,ahead,*)  # item 1: MLX's kernels compiled ahead (appliance/kernels/ahead.py) on a machine's
   # first start. Unless AHEAD_KEEP is set, a first start without a manifest records one from what MLX compiled
