@@ -147,7 +147,8 @@ def main() -> int:
         return 0
     from appliance.kernels.cuda_driver import compute_capability, driver_version
 
-    manifest = ahead.load(args.manifest) if getattr(args, "manifest", None) else ahead.manifest_for(version, build)
+    manifest = ahead.load(args.manifest) if args.command == "compile" and args.manifest \
+        else ahead.manifest_for(version, build)
     if manifest is None:
         raise SystemExit(f"no manifest for MLX {version} build {build}")
     args.dir.mkdir(parents=True, exist_ok=True)
